@@ -1,0 +1,107 @@
+"""`ddtree` command line: generate | serve | bench | tune | train-target | train-drafter.
+
+Each subcommand lives with its concern (`ddtree.server.main`, `ddtree.bench.cli`, `ddtree.train.cli`);
+this file only wires them up and turns a `DDTreeError` into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ddtree.config import DDTreeError
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--target / --draft / --device / --dtype / --max-model-len, shared by every model-loading command."""
+    parser.add_argument("--target", default=None, help="target model directory (Hugging Face format; default: the demo target)")
+    parser.add_argument("--draft", default=None, help="DFlash drafter directory (z-lab format; default: the demo drafter)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the target's)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise DDTreeError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise DDTreeError("--prompt-token-ids is empty")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ddtree.config import SamplingParams, parse_tree_budget
+    from ddtree.llm import LLM
+
+    budget = parse_tree_budget(args.tree_budget)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    prompt = _token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else args.prompt
+    llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, tree_budget=budget,
+              max_model_len=args.max_model_len, use_draft=budget != "ar" or args.draft is not None)
+    if args.json:
+        result = llm.generate(prompt, params, budget)
+        print(json.dumps(result.to_dict()))
+        return 0
+    result = None
+    for event in llm.stream(prompt, params, budget):
+        print(event.text, end="", flush=True)
+        result = event.result
+    s = result.stats
+    print(f"\n[{len(result.token_ids)} tokens, finish={result.finish_reason}, budget={s.tree_budget}, "
+          f"rounds={s.decode_rounds}, mean acceptance={s.mean_acceptance_length:.2f}, "
+          f"{s.tokens_per_second:.1f} tok/s, ttft={s.time_to_first_token_s * 1000:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt")
+    add_model_args(gen)
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="def fib(n):")
+    src.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
+    add_sampling_args(gen)
+    gen.add_argument("--tree-budget", default="64", help="ar, chain or an integer >= 1 (default 64)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    gen.set_defaults(func=cmd_generate)
+
+    for module in ("ddtree.server.main", "ddtree.bench.cli", "ddtree.train.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError as exc:
+            if exc.name and exc.name.startswith("ddtree"):
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DDTreeError as exc:
+        print(f"ddtree: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

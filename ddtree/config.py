@@ -1,0 +1,118 @@
+"""Validated settings shared by the engine, the server, the benchmark and the CLI.
+
+Every user-facing value is checked here, once, and a bad one raises
+`DDTreeError` with a one-line message naming the problem.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+
+class DDTreeError(ValueError):
+    """A user-facing error: bad input, a bad file, a mismatched model pair.
+
+    The CLI prints it as one line and exits non-zero; the server answers 400.
+    `param` names the offending field when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+AR = "ar"
+CHAIN = "chain"
+TreeBudget = Union[str, int]  # "ar", "chain" or an int >= 1
+
+MAX_TREE_BUDGET = 4096
+
+
+def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
+    """Normalise a tree budget given as text or number to "ar", "chain", "auto" or an int >= 1."""
+    if isinstance(value, bool):
+        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {value!r}", "tree_budget")
+    if isinstance(value, int):
+        budget = value
+    elif isinstance(value, float) and value.is_integer():
+        budget = int(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if text in (AR, CHAIN) or (allow_auto and text == "auto"):
+            return text
+        try:
+            budget = int(text)
+        except ValueError:
+            raise DDTreeError(
+                f"tree budget must be 'ar', 'chain'{', auto' if allow_auto else ''} or an integer >= 1, got {value!r}",
+                "tree_budget",
+            ) from None
+    else:
+        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {value!r}", "tree_budget")
+    if budget < 1:
+        raise DDTreeError(f"tree budget must be >= 1 (use 'ar' for no drafting), got {budget}", "tree_budget")
+    if budget > MAX_TREE_BUDGET:
+        raise DDTreeError(f"tree budget must be <= {MAX_TREE_BUDGET}, got {budget}", "tree_budget")
+    return budget
+
+
+def tree_budget_label(budget: TreeBudget) -> str:
+    return str(budget)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings. `top_k = 0` and `top_p = 1` switch those filters off."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DDTreeError(f"{name} must be a finite number, got {value!r}", name)
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise DDTreeError(f"{name} must be an integer, got {value!r}", name)
+            return value
+
+        if integer("max_tokens", self.max_tokens) < 1:
+            raise DDTreeError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if number("temperature", self.temperature) < 0:
+            raise DDTreeError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        top_p = number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if integer("top_k", self.top_k) < 0:
+            raise DDTreeError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
+        if self.seed is not None and integer("seed", self.seed) < 0:
+            raise DDTreeError(f"seed must be >= 0, got {self.seed}", "seed")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise DDTreeError("stop must be a non-empty string or a list of non-empty strings", "stop")
+        self.stop = list(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise DDTreeError("stop_token_ids must be a list of integers", "stop_token_ids")
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise DDTreeError(f"stop_token_ids must hold integers >= 0, got {token!r}", "stop_token_ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise DDTreeError("ignore_eos must be true or false", "ignore_eos")

@@ -1,0 +1,37 @@
+"""Static per-sequence KV cache: allocated once, written by slot, compacted after each round."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for every layer: `k`, `v` are [layers, slots, kv_heads, head_dim].
+
+    Slot i holds position i of the committed sequence; slots past the committed length are
+    scratch space for the tokens of the current round (the tree, or the drafter's block).
+    """
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(layers, slots, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+        """Store k, v [N, kv_heads, head_dim] at `slots` [N]; return this layer's keys and values [kv_len, ...]."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+        return self.k[layer, :kv_len], self.v[layer, :kv_len]
+
+    def compact(self, start: int, order: torch.Tensor) -> None:
+        """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.
+
+        `order` [M] lists the kept tree nodes first (in depth order); entries after them are
+        don't-care. Gathering before writing makes overlapping moves safe.
+        """
+        src = order + start
+        dst = torch.arange(start, start + order.shape[0], device=order.device)
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))

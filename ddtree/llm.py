@@ -1,0 +1,205 @@
+"""The Python API shared by the CLI, the server, the benchmark and the tests.
+
+    llm = LLM()                                    # the shipped demo pair
+    out = llm.generate("def fib(n):", SamplingParams(max_tokens=64), tree_budget=64)
+    for event in llm.stream(prompt_ids, params):   # tokens as each round accepts them
+        print(event.text, end="")
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
+from ddtree.engine import Engine
+from ddtree.models.configs import TargetConfig
+from ddtree.models.loading import load_drafter, load_target, parse_dtype
+from ddtree.models.tokenizer import Tokenizer, load_tokenizer
+from ddtree.output import OutputBuilder
+
+REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_TARGET = REPO_MODELS / "demo-target"
+DEFAULT_DRAFT = REPO_MODELS / "demo-drafter"
+DEFAULT_TREE_BUDGET: TreeBudget = 64
+
+
+@dataclass
+class GenerationStats:
+    tree_budget: str
+    decode_rounds: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    mean_acceptance_length: float = 0.0
+    tokens_per_second: float = 0.0  # generated tokens / wall time from request start to the last token
+    time_to_first_token_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StreamEvent:
+    """One step's output: the new token ids and new text; `result` is set on the last event."""
+
+    token_ids: list[int]
+    text: str
+    result: GenerationResult | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    """A target + drafter pair loaded once; one request decodes at a time (not thread-safe)."""
+
+    def __init__(
+        self,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        tree_budget: TreeBudget = DEFAULT_TREE_BUDGET,
+        max_model_len: int | None = None,
+        use_draft: bool = True,
+    ):
+        self.target_path = Path(target) if target is not None else DEFAULT_TARGET
+        self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
+        self.device = torch.device(device or default_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DDTreeError("device 'cuda' was asked for but no CUDA GPU is available", "device")
+        dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = parse_dtype(dtype)
+        self.default_budget = parse_tree_budget(tree_budget)
+
+        cfg = TargetConfig.from_dir(self.target_path)
+        limit = cfg.max_position_embeddings
+        if max_model_len is not None:
+            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
+                raise DDTreeError(f"max_model_len must be an integer in [2, {limit}] for this target, got {max_model_len!r}",
+                                  "max_model_len")
+            limit = max_model_len
+        self.max_model_len = limit
+        positions = limit + MAX_TREE_BUDGET + 1
+        self.target = load_target(self.target_path, self.device, self.dtype, positions)
+        self.drafter = None
+        if self.draft_path is not None:
+            self.drafter = load_drafter(self.draft_path, cfg, self.device, self.dtype, positions)
+        elif self.default_budget != AR:
+            self.default_budget = AR
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.target_path)
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.vocab_size = cfg.vocab_size
+        self.engine = Engine(self.target, self.drafter, limit)
+
+    # -- facts the server and benchmark report -----------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def target_name(self) -> str:
+        return self.target_path.name
+
+    @property
+    def draft_name(self) -> str | None:
+        return self.draft_path.name if self.draft_path is not None else None
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise DDTreeError(f"target model {self.target_path} has no tokenizer files: pass prompt token ids", "prompt")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._require_tokenizer().encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._require_tokenizer().decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self._require_tokenizer().apply_chat_template(messages)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise DDTreeError("prompt must not be empty", "prompt")
+            return self.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise DDTreeError("prompt must be a non-empty string or list of token ids", "prompt")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}", "prompt")
+        return list(prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
+        """Validate everything about a request before any work; return its tree budget."""
+        params.validate()
+        budget = self.default_budget if tree_budget is None else parse_tree_budget(tree_budget)
+        if budget != AR and self.drafter is None:
+            raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise DDTreeError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"context limit of {self.max_model_len} tokens",
+                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+            )
+        return budget
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
+        """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""
+        params = params or SamplingParams()
+        prompt_ids = self.prompt_ids(prompt)
+        budget = self.check_request(prompt_ids, params, tree_budget)
+        decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
+        out = OutputBuilder(params, self.eos_token_ids, decode)
+        stats = GenerationStats(tree_budget=str(budget))
+        start = time.perf_counter()
+        steps = self.engine.generate(prompt_ids, params, budget)
+        try:
+            for step in steps:
+                if step.acceptance_length:
+                    stats.decode_rounds += 1
+                    stats.acceptance_lengths.append(step.acceptance_length)
+                else:
+                    stats.time_to_first_token_s = time.perf_counter() - start
+                taken = out.add(step.tokens)
+                if out.finished:
+                    break
+                yield StreamEvent(taken, out.text_delta())
+        finally:
+            steps.close()
+        elapsed = time.perf_counter() - start
+        if stats.acceptance_lengths:
+            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / len(stats.acceptance_lengths)
+        stats.tokens_per_second = len(out.token_ids) / elapsed if elapsed > 0 else 0.0
+        result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats)
+        yield StreamEvent(taken, out.text_delta(), result)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> GenerationResult:
+        for event in self.stream(prompt, params, tree_budget):
+            if event.result is not None:
+                return event.result
+        raise RuntimeError("generation ended without a result")

@@ -1,0 +1,247 @@
+"""Model configurations read from Hugging Face / z-lab `config.json` files, validated."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddtree.config import DDTreeError
+
+TARGET_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
+TARGET_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "mistral": "llama"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise DDTreeError(f"{what}: missing file {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DDTreeError(f"{what}: cannot parse {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise DDTreeError(f"{what}: {path} does not hold a JSON object")
+    return data
+
+
+def _require(cfg: dict, key: str, kind: type, what: str):
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise DDTreeError(f"{what}: config.json field '{key}' is missing or not a {kind.__name__} (got {value!r})")
+    return value
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding settings: theta plus optional scaling (`default`, `linear`, `llama3`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, cfg: dict, what: str) -> "RopeConfig":
+        # transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        if isinstance(scaling, dict):
+            params = {**scaling, **params}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise DDTreeError(f"{what}: rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+        )
+
+
+@dataclass
+class TransformerConfig:
+    """Fields shared by the target and the drafter (both are Qwen3/Llama-shaped stacks)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @staticmethod
+    def common_fields(cfg: dict, what: str) -> dict:
+        hidden = _require(cfg, "hidden_size", int, what)
+        layers = _require(cfg, "num_hidden_layers", int, what)
+        heads = _require(cfg, "num_attention_heads", int, what)
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if heads % kv_heads:
+            raise DDTreeError(f"{what}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        return dict(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=_require(cfg, "intermediate_size", int, what),
+            vocab_size=_require(cfg, "vocab_size", int, what),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(cfg, what),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+@dataclass
+class TargetConfig(TransformerConfig):
+    architecture: str = "qwen3"  # "qwen3" (q/k norms) or "llama"
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TargetConfig":
+        path = Path(path)
+        what = f"target model {path}"
+        if not path.is_dir():
+            raise DDTreeError(f"{what}: not a directory")
+        cfg = read_json(path / "config.json", what)
+        arch = None
+        for name in cfg.get("architectures") or []:
+            arch = arch or TARGET_ARCHITECTURES.get(name)
+        arch = arch or TARGET_MODEL_TYPES.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise DDTreeError(
+                f"{what}: architecture {cfg.get('architectures') or cfg.get('model_type')} is not supported "
+                f"(supported: {', '.join(TARGET_ARCHITECTURES)})"
+            )
+        fields = cls.common_fields(cfg, what)
+        eos = _eos_ids(path, cfg)
+        return cls(
+            **fields,
+            qk_norm=arch == "qwen3",
+            architecture=arch,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def _eos_ids(path: Path, cfg: dict) -> list[int]:
+    gen_path = path / "generation_config.json"
+    source = cfg.get("eos_token_id")
+    if gen_path.is_file():
+        gen = read_json(gen_path, f"target model {path}")
+        if gen.get("eos_token_id") is not None:
+            source = gen["eos_token_id"]
+    if source is None:
+        return []
+    ids = source if isinstance(source, list) else [source]
+    return [int(i) for i in ids]
+
+
+@dataclass
+class DrafterConfig(TransformerConfig):
+    """A z-lab DFlash drafter: a Qwen3-shaped stack reading target features at `target_layer_ids`."""
+
+    block_size: int = 16
+    num_target_layers: int = 0
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DrafterConfig":
+        path = Path(path)
+        what = f"drafter {path}"
+        if not path.is_dir():
+            raise DDTreeError(f"{what}: not a directory")
+        cfg = read_json(path / "config.json", what)
+        archs = cfg.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise DDTreeError(f"{what}: config.json architectures {archs} is not ['DFlashDraftModel']")
+        dflash = cfg.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            return dflash.get(name, cfg.get(name, default))
+
+        fields = cls.common_fields(cfg, what)
+        layers = fields["num_hidden_layers"]
+        num_target_layers = pick("num_target_layers")
+        if not isinstance(num_target_layers, int) or num_target_layers < 1:
+            raise DDTreeError(f"{what}: config.json field 'num_target_layers' is missing or invalid")
+        layer_ids = pick("target_layer_ids") or build_target_layer_ids(num_target_layers, layers)
+        mask_token_id = pick("mask_token_id")
+        if not isinstance(mask_token_id, int):
+            raise DDTreeError(f"{what}: dflash_config.mask_token_id is missing or not an integer")
+        layer_types = cfg.get("layer_types") or ["full_attention"] * layers
+        if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise DDTreeError(f"{what}: layer_types must list 'full_attention'/'sliding_attention' for each of {layers} layers")
+        block_size = int(pick("block_size", 16))
+        if block_size < 2:
+            raise DDTreeError(f"{what}: block_size must be >= 2, got {block_size}")
+        softcap = pick("final_logit_softcapping")
+        return cls(
+            **fields,
+            qk_norm=True,
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=[int(i) for i in layer_ids],
+            mask_token_id=mask_token_id,
+            layer_types=list(layer_types),
+            sliding_window=cfg.get("sliding_window"),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+    def check_against(self, target: TargetConfig, path: str | Path) -> None:
+        """Raise if this drafter cannot serve `target` (hidden size, vocab, layer count)."""
+        what = f"drafter {path}"
+        if self.hidden_size != target.hidden_size:
+            raise DDTreeError(f"{what}: hidden_size {self.hidden_size} does not match the target's {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            raise DDTreeError(f"{what}: vocab_size {self.vocab_size} does not match the target's {target.vocab_size}")
+        if self.num_target_layers != target.num_hidden_layers:
+            raise DDTreeError(
+                f"{what}: num_target_layers {self.num_target_layers} does not match the target's "
+                f"num_hidden_layers {target.num_hidden_layers}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise DDTreeError(f"{what}: target_layer_ids {bad} are outside the target's {target.num_hidden_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise DDTreeError(f"{what}: mask_token_id {self.mask_token_id} is outside the vocabulary")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Spread the drafter's feature taps over the target's layers, as z-lab's recipe does."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers)]

@@ -1,0 +1,127 @@
+"""The DFlash block-diffusion drafter (z-lab format), written for the engine.
+
+Each layer's attention reads two kinds of keys: the committed context, whose keys and values are
+projected from the target's features (`hidden_norm(fc(features))`, the same input for every
+layer) and cached, and the block being drafted, `[bonus, MASK x (b - 1)]`, which attends to the
+whole context and to itself (non-causally, unless the layer is a sliding-window layer, which is
+causal and windowed as in the reference). The drafter has no embedding or LM head: it borrows the
+target's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.kv_cache import KVCache
+from ddtree.models.configs import DrafterConfig
+from ddtree.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.window = cfg.sliding_window if self.sliding else None
+        self.scale = self.head_dim**-0.5
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [M, H] -> rotated, normed keys and values [M, kv_heads, head_dim]."""
+        m = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(m, self.n_kv, self.head_dim))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(m, self.n_kv, self.head_dim)
+
+    def forward(self, x, cos, sin, slots, kv_len, masks, cache: KVCache):
+        b = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(b, self.n_heads, self.head_dim))
+        q = apply_rope(q, cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        keys, values = cache.write(self.layer_idx, slots, k, v, kv_len)
+        mask = masks["sliding"] if self.sliding else masks["full"]
+        return self.o_proj(attend(q, keys, values, mask, self.scale))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg, layer_idx)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, slots, kv_len, masks, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, slots, kv_len, masks, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Appends committed context to its cache, then drafts a block of `block_size` tokens in one pass."""
+
+    def __init__(self, cfg: DrafterConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+
+    def new_cache(self, slots: int, device, dtype) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
+
+    @torch.no_grad()
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """Cache keys/values of committed tokens. features: [M, len(taps) * H]; positions: [M] (= their slots)."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for layer in self.layers:
+            attn = layer.self_attn
+            k, v = attn.key_value(ctx, cos, sin)
+            cache.k[attn.layer_idx].index_copy_(0, positions, k)
+            cache.v[attn.layer_idx].index_copy_(0, positions, v)
+
+    def block_masks(self, context_len: int, block: int, device) -> dict:
+        """Visibility [block, context_len + block] for full and sliding layers (None = everything)."""
+        cfg = self.config
+        masks = {"full": None, "sliding": None}
+        if "sliding_attention" in cfg.layer_types:
+            q_pos = torch.arange(context_len, context_len + block, device=device)[:, None]
+            k_pos = torch.arange(context_len + block, device=device)[None, :]
+            visible = k_pos <= q_pos
+            if cfg.sliding_window is not None:
+                visible &= q_pos - k_pos < cfg.sliding_window
+            masks["sliding"] = visible
+        return masks
+
+    def forward(self, noise_embedding: torch.Tensor, context_len: int, cache: KVCache, masks: dict | None = None) -> torch.Tensor:
+        """noise_embedding [b, H] for positions context_len .. context_len + b - 1 -> hidden [b, H].
+
+        Keys of context positions [0, context_len) must already be cached.
+        """
+        b = noise_embedding.shape[0]
+        positions = torch.arange(context_len, context_len + b, device=noise_embedding.device)
+        cos, sin = self.rotary(positions, noise_embedding.dtype)
+        if masks is None:
+            masks = self.block_masks(context_len, b, noise_embedding.device)
+        h = noise_embedding
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions, context_len + b, masks, cache)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits [b, V] in float32 through the target's LM head, with the config's multiplier/softcap."""
+        cfg = self.config
+        logits = lm_head(hidden).float() * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits

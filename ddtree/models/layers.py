@@ -1,0 +1,117 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary tables, SwiGLU MLP, attention."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.models.configs import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in float32, with the config's scaling applied."""
+    rotary_dim = int(head_dim * rope.partial_rotary_factor)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryTable(nn.Module):
+    """Precomputed cos/sin for positions [0, max_positions): `cos[pos]` is [head_dim]."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim]; cos, sin: [N, rotary_dim]. Rotates the first rotary_dim channels."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matrix."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+@dataclass
+class AttentionMeta:
+    """What one forward needs to know about the cache, built once and shared by every layer.
+
+    `write_slots` [N]: cache slots the N new tokens' keys/values go to.
+    `kv_len`: keys [0, kv_len) are read.
+    `mask` [N, kv_len] bool: True where query i may see key j (context columns all True,
+    the new tokens' block causal for prefill or ancestor-only for a tree), or None for full visibility.
+    """
+
+    write_slots: torch.Tensor
+    kv_len: int
+    mask: torch.Tensor | None
+    causal: bool = False  # with mask None: plain causal attention (prefill into an empty cache)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           causal: bool = False) -> torch.Tensor:
+    """q: [N, Hq, D]; k, v: [T, Hkv, D]; mask: [N, T] bool or None (None: all visible, or causal
+    when `causal`). Returns [N, Hq * D]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.transpose(0, 1).unsqueeze(0)
+    vh = v.transpose(0, 1).unsqueeze(0)
+    if hkv != hq:
+        kh = kh.repeat_interleave(hq // hkv, dim=1)
+        vh = vh.repeat_interleave(hq // hkv, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=None if mask is None else mask[None, None], scale=scale,
+                                         is_causal=causal and mask is None)
+    return out[0].transpose(0, 1).reshape(n, hq * d)

@@ -1,0 +1,104 @@
+"""The target LLM (Qwen3 / Llama), written for the engine: static KV cache, explicit positions,
+attention over `context + new tokens` with an arbitrary mask on the new tokens.
+
+The model knows nothing of requests, trees or sampling: it maps tokens at positions to logits
+and to the hidden features the drafter reads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.kv_cache import KVCache
+from ddtree.models.configs import TargetConfig
+from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+
+
+class TargetAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv, self.head_dim)
+        v = v.view(n, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(self.layer_idx, meta.write_slots, k, v, meta.kv_len)
+        return self.o_proj(attend(q, keys, values, meta.mask, self.scale, meta.causal))
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = TargetAttention(cfg, layer_idx)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, meta, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetModel(nn.Module):
+    """tokens [N] at positions [N] -> logits [N, V] (or the rows asked for) and features [N, len(taps) * H]."""
+
+    def __init__(self, cfg: TargetConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+
+    def new_cache(self, slots: int, device, dtype) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMeta,
+        cache: KVCache,
+        feature_layers: list[int] | None = None,
+        logit_rows: torch.Tensor | slice | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [rows, V] in float32, features [N, len(feature_layers) * H] or None).
+
+        `feature_layers` are layer indices whose outputs (post-residual) the drafter reads.
+        """
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, h.dtype)
+        taps = []
+        wanted = set(feature_layers or ())
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, cache)
+            if i in wanted:
+                taps.append(h)
+        features = None
+        if feature_layers:
+            by_layer = dict(zip(sorted(wanted), taps))
+            features = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        logits = self.lm_head(self.norm(h)).float()
+        return logits, features

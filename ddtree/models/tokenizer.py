@@ -1,0 +1,56 @@
+"""The target's tokenizer, read from its directory (`tokenizer.json` + `tokenizer_config.json`)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ddtree.config import DDTreeError
+
+# Used when the tokenizer has no chat template of its own (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """A thin wrapper over transformers' AutoTokenizer with the few calls ddtree needs."""
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+        self.special_ids = set(hf_tokenizer.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=False)
+
+    def decode_for_output(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        template = None if self.has_chat_template else DEFAULT_CHAT_TEMPLATE
+        try:
+            text = self.hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors raised by the model's own template
+            raise DDTreeError(f"chat template failed: {exc}", "messages") from None
+        return self.encode(text)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        return Tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise DDTreeError(f"target model {path}: cannot load the tokenizer: {exc}") from None

@@ -1,0 +1,139 @@
+"""Tiny random target and drafter checkpoints written to disk in the formats users bring.
+
+Targets are made with transformers itself (Qwen3ForCausalLM / LlamaForCausalLM); drafters in the
+z-lab DFlash format. `peak` scales the LM head so that greedy choices are never near ties.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ddtree.models.configs import build_target_layer_ids
+
+
+def make_target(
+    path: Path,
+    arch: str = "qwen3",
+    *,
+    vocab: int = 96,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 128,
+    max_positions: int = 512,
+    tie: bool = False,
+    shard: bool = False,
+    rope_scaling: dict | None = None,
+    peak: float = 8.0,
+    seed: int = 0,
+    eos: int | None = 1,
+):
+    """Save a random target to `path`; returns the transformers model (float32, eval)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+        max_position_embeddings=max_positions, tie_word_embeddings=tie, eos_token_id=eos,
+        bos_token_id=None, pad_token_id=None, rms_norm_eps=1e-6,
+    )
+    if arch == "qwen3":
+        cfg = Qwen3Config(**common, rope_theta=10000.0)
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        extra = {}
+        if rope_scaling is not None:
+            extra["rope_scaling"] = rope_scaling
+        cfg = LlamaConfig(**common, rope_theta=500000.0, **extra)
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+        if not tie:
+            model.lm_head.weight.mul_(peak)
+        else:
+            model.model.embed_tokens.weight.mul_(peak ** 0.5)
+    model.eval()
+    model.save_pretrained(path, max_shard_size="50KB" if shard else "5GB", safe_serialization=True)
+    return model
+
+
+def make_drafter(
+    path: Path,
+    target_path: Path,
+    *,
+    layers: int = 2,
+    block_size: int = 8,
+    mask_token_id: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    seed: int = 1,
+    scale: float = 0.08,
+) -> dict:
+    """Save a random z-lab DFlash drafter for the target at `target_path`; returns its config dict."""
+    tcfg = json.loads((target_path / "config.json").read_text())
+    torch.manual_seed(seed)
+    hidden = tcfg["hidden_size"]
+    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    head_dim = tcfg.get("head_dim") or hidden // heads
+    inter = tcfg["intermediate_size"]
+    taps = build_target_layer_ids(tcfg["num_hidden_layers"], layers)
+    vocab = tcfg["vocab_size"]
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": tcfg.get("max_position_embeddings", 512),
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "layer_types": layer_types or ["full_attention"] * layers,
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding_window is not None,
+        "block_size": block_size,
+        "num_target_layers": tcfg["num_hidden_layers"],
+        "dflash_config": {"target_layer_ids": taps, "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id},
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    w = {}
+
+    def rand(*shape):
+        return torch.randn(*shape) * scale
+
+    for i in range(layers):
+        p = f"layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        w[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        w[p + "self_attn.q_norm.weight"] = 1 + rand(head_dim)
+        w[p + "self_attn.k_norm.weight"] = 1 + rand(head_dim)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+        w[p + "input_layernorm.weight"] = 1 + rand(hidden)
+        w[p + "post_attention_layernorm.weight"] = 1 + rand(hidden)
+    w["fc.weight"] = rand(hidden, hidden * len(taps))
+    w["hidden_norm.weight"] = 1 + rand(hidden)
+    w["norm.weight"] = 1 + rand(hidden)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return cfg
