@@ -6,9 +6,21 @@ commits; stop rules, text and statistics belong to the caller (`ddtree.llm`).
 Tree budgets: "ar" (plain autoregressive decoding, the drafter is never called), "chain" (DFlash's
 linear draft of the block's b - 1 argmax tokens) and an integer B (the best B prefixes). All run
 through the same verify / walk / commit code and the same caches.
+
+A round is two fixed-shape halves around the target's choice at each node:
+- front (draft, build, verify): reads the committed length `n` and the root token from device
+  tensors, writes the tree and the verify features into per-budget buffers, returns logits [N, V];
+- back (walk, compact, commit): reads those buffers and the choices [N], moves the accepted
+  nodes' KV entries into place, appends their features to the drafter's context and writes a
+  summary [acceptance length, the kept nodes' tokens, bonus].
+On CUDA each half is a CUDA graph (front: one per budget and KV-length bucket; back: one per
+budget); on the CPU the same functions run eagerly. The only host sync of a round is reading the
+summary.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -20,7 +32,9 @@ from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.target import TargetModel
 from ddtree.sampling import choose_tokens
-from ddtree.tree import Tree, Walk, build_chain, build_tree, single_node, walk
+from ddtree.tree import Tree, Walk, build_chain, build_tree, context_tree_mask, single_node, walk
+
+log = logging.getLogger("ddtree.engine")
 
 
 @dataclass
@@ -32,56 +46,177 @@ class Step:
     acceptance_length: int
 
 
+class RoundBuffers:
+    """Fixed buffers of one budget, shared by its graphs: the tree, the verify features, the
+    choices and the summary the host reads."""
+
+    def __init__(self, size: int, keep: int, feature_dim: int, device, dtype):
+        self.size, self.keep = size, keep
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
+        self.parents = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.depths = torch.zeros(size, dtype=torch.long, device=device)
+        self.valid = torch.zeros(size, dtype=torch.bool, device=device)
+        self.visible = torch.zeros(size, size, dtype=torch.bool, device=device)
+        self.features = torch.zeros(size, max(feature_dim, 1), dtype=dtype, device=device)
+        self.choices = torch.zeros(size, dtype=torch.long, device=device)
+        self.summary = torch.zeros(keep + 2, dtype=torch.long, device=device)
+
+    def store(self, tree: Tree) -> None:
+        self.tokens.copy_(tree.tokens)
+        self.parents.copy_(tree.parents)
+        self.depths.copy_(tree.depths)
+        self.valid.copy_(tree.valid)
+        self.visible.copy_(tree.visible)
+
+    @property
+    def tree(self) -> Tree:
+        return Tree(self.tokens, self.parents, self.depths, self.valid, self.visible)
+
+
+def tree_size(budget: TreeBudget, block_size: int) -> int:
+    """Nodes verified per round, root included."""
+    if budget == AR:
+        return 1
+    if budget == CHAIN:
+        return block_size
+    return int(budget) + 1
+
+
 class Engine:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int):
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
+                 use_graphs: bool | None = None, kv_bucket: int = 256):
         self.target = target
         self.drafter = drafter
         self.max_model_len = max_model_len
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        # Graphs bake in the KV length: round it up to a bucket so one graph serves many rounds.
+        self.kv_bucket = kv_bucket if self.use_graphs else 1
         self.block_size = drafter.config.block_size if drafter is not None else 0
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
-        # Slack past the longest sequence: the scratch slots of the largest tree (or block).
-        self.cache = target.new_cache(max_model_len + MAX_TREE_BUDGET + 1, self.device, self.dtype)
-        self.draft_cache = (
-            drafter.new_cache(max_model_len + self.block_size + 1, self.device, self.dtype) if drafter is not None else None
-        )
+        self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
+        # Slack past the longest sequence: the scratch slots of the largest tree (or block), bucketed.
+        slots = max_model_len + MAX_TREE_BUDGET + 1 + self.kv_bucket
+        self.cache = target.new_cache(slots, self.device, self.dtype)
+        self.draft_cache = drafter.new_cache(slots, self.device, self.dtype) if drafter is not None else None
+        self.n = torch.zeros((), dtype=torch.long, device=self.device)  # committed length
+        self.root = torch.zeros((), dtype=torch.long, device=self.device)  # next bonus token
+        self.buffers: dict[TreeBudget, RoundBuffers] = {}
+        self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.back_graphs: dict[TreeBudget, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_seconds = 0.0
         # The acceptance rule; tests replace it to show that a wrong rule breaks losslessness.
         self.walk_fn: Callable[[Tree, torch.Tensor], Walk] = walk
 
-    # -- forward helpers ---------------------------------------------------------------------
+    # -- the two halves of a round -------------------------------------------------------------
 
-    def _target(self, tokens, positions, start: int, visible: torch.Tensor | None, causal: bool, logit_rows=None):
-        """Run the target on N new tokens whose keys go to slots start..start+N-1 after `start` committed ones."""
-        n = tokens.shape[0]
-        slots = torch.arange(start, start + n, device=self.device)
-        if causal and start == 0:
-            mask = None  # prefill from an empty cache: plain causal attention
-        else:
-            context = torch.ones(n, start, dtype=torch.bool, device=self.device)
-            block = torch.ones(n, n, dtype=torch.bool, device=self.device).tril() if causal else visible
-            mask = torch.cat([context, block], dim=1)
-        meta = AttentionMeta(write_slots=slots, kv_len=start + n, mask=mask, causal=causal and start == 0)
-        need_features = self.drafter is not None and self.budget_uses_drafter
-        return self.target(tokens, positions, meta, self.cache, self.feature_layers if need_features else None, logit_rows)
-
-    def _draft_logprobs(self, root: torch.Tensor, n: int) -> torch.Tensor:
-        """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> log-probs [b-1, V]."""
+    def _draft_logprobs(self, root: torch.Tensor, n: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> log-probs [b-1, V].
+        kv_len >= n + b: the (bucketed) number of drafter cache slots read."""
         cfg = self.drafter.config
-        block = torch.full((self.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        b = self.block_size
+        block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=self.device)
         block[0] = root
         noise = self.target.embed_tokens(block) * cfg.input_embedding_scale
-        hidden = self.drafter(noise, n, self.draft_cache)
+        hidden = self.drafter(noise, self.drafter.block_metas(n, b, kv_len), self.draft_cache)
         return F.log_softmax(self.drafter.logits(hidden[1:], self.target.lm_head), dim=-1)
 
-    # -- generation --------------------------------------------------------------------------
+    def _front(self, budget: TreeBudget, kv_len: int) -> torch.Tensor:
+        """Draft, build and verify at the current n / root -> target logits [N, V] (float32)."""
+        bufs = self.buffers[budget]
+        n, root = self.n, self.root
+        if budget == AR:
+            tree = single_node(root)
+        else:
+            logp = self._draft_logprobs(root, n, kv_len)
+            tree = build_chain(torch.argmax(logp, dim=-1), root) if budget == CHAIN else build_tree(logp, root, int(budget))
+        bufs.store(tree)
+        size = tree.size
+        meta = AttentionMeta(n + torch.arange(size, device=self.device), kv_len,
+                             context_tree_mask(n, tree.visible, kv_len))
+        taps = self.feature_layers if budget != AR else None
+        logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
+        if features is not None:
+            bufs.features.copy_(features)
+        return logits
+
+    def _back(self, budget: TreeBudget) -> None:
+        """Walk the tree with the choices, compact the KV cache, extend the drafter's context, write the summary."""
+        bufs = self.buffers[budget]
+        tree = bufs.tree
+        result = self.walk_fn(tree, bufs.choices)
+        keep = result.order[: bufs.keep]
+        self.cache.compact(self.n, keep)
+        if budget != AR:
+            positions = self.n + torch.arange(bufs.keep, device=self.device)
+            self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
+        bufs.summary.copy_(torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]))
+
+    # -- graphs --------------------------------------------------------------------------------
+
+    def _bucket_len(self, needed: int) -> int:
+        return -(-needed // self.kv_bucket) * self.kv_bucket
+
+    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm `fn` up on a side stream, then capture it. fn must only write scratch state."""
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            out = fn()
+        torch.cuda.synchronize()  # intentional: capture happens once per graph, outside the round loop
+        self.capture_seconds += time.perf_counter() - start
+        return graph, out
+
+    def _run_front(self, budget: TreeBudget) -> torch.Tensor:
+        size = tree_size(budget, self.block_size)
+        kv_len = self._bucket_len(self._host_n + max(size, self.block_size))
+        if not self.use_graphs:
+            return self._front(budget, kv_len)
+        key = (budget, kv_len)
+        if key not in self.front_graphs:
+            start = time.perf_counter()
+            self.front_graphs[key] = self._capture(lambda: self._front(budget, kv_len))
+            log.info("captured front graph budget=%s kv_len=%d in %.2f s", budget, kv_len, time.perf_counter() - start)
+        graph, logits = self.front_graphs[key]
+        graph.replay()
+        return logits
+
+    def _run_back(self, budget: TreeBudget) -> None:
+        if budget in self.back_graphs:
+            self.back_graphs[budget].replay()
+        else:
+            self._back(budget)
+
+    def prepare(self, budget: TreeBudget) -> None:
+        """Allocate a budget's buffers and, on CUDA, capture its back graph (before any sequence
+        state exists, because warming it up moves cache entries)."""
+        if budget in self.buffers:
+            return
+        size = tree_size(budget, self.block_size)
+        keep = min(size, self.block_size or 1)
+        self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype)
+        if self.use_graphs:
+            self.n.zero_()
+            start = time.perf_counter()
+            self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
+            log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
+
+    # -- generation ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams, budget: TreeBudget) -> Iterator[Step]:
         """Yield the prefill step (one token) and then one Step per round, until the caller stops."""
         if budget != AR and self.drafter is None:
             raise ValueError("tree budgets other than 'ar' need a drafter")
-        self.budget_uses_drafter = budget != AR
+        self.prepare(budget)
+        bufs = self.buffers[budget]
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
@@ -89,37 +224,25 @@ class Engine:
 
         p = len(prompt)
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        logits, features = self._target(tokens, torch.arange(p, device=self.device), 0, None, causal=True,
-                                        logit_rows=slice(p - 1, p))
-        if self.budget_uses_drafter:
-            self.drafter.append_context(features, torch.arange(p, device=self.device), self.draft_cache)
-        root = choose_tokens(logits, params, generator)[0]
-        n = p
-        yield Step([int(root)], 0)  # host sync: the first token is needed now (time to first token)
+        positions = torch.arange(p, device=self.device)
+        meta = AttentionMeta(positions, p, None, causal=True)
+        taps = self.feature_layers if budget != AR else None
+        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=slice(p - 1, p))
+        if budget != AR:
+            self.drafter.append_context(features, positions, self.draft_cache)
+        self.root.copy_(choose_tokens(logits, params, generator)[0])
+        self.n.fill_(p)
+        self._host_n = p
+        yield Step([int(self.root)], 0)  # host sync: the first token is needed now (time to first token)
 
         while True:
-            tree = self._make_tree(root, n, budget)
-            positions = n + tree.depths
-            logits, features = self._target(tree.tokens, positions, n, tree.visible, causal=False)
-            choices = choose_tokens(logits, params, generator)
-            result = self.walk_fn(tree, choices)
-            keep = result.order[: min(tree.size, self.block_size or 1)]
-            self.cache.compact(n, keep)
-            if self.budget_uses_drafter:
-                self.drafter.append_context(features[keep], n + torch.arange(keep.shape[0], device=self.device),
-                                            self.draft_cache)
-            # The round's one host sync: acceptance length, accepted tokens and the bonus, together.
-            summary = torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]).tolist()
+            logits = self._run_front(budget)
+            bufs.choices.copy_(choose_tokens(logits, params, generator))
+            self._run_back(budget)
+            # The round's one host sync: acceptance length, kept tokens and bonus, together.
+            summary = bufs.summary.tolist()
             a = summary[0]
-            new_tokens = summary[2 : 1 + a] + [summary[-1]]
-            n += a
-            root = result.bonus
-            yield Step(new_tokens, a)
-
-    def _make_tree(self, root: torch.Tensor, n: int, budget: TreeBudget) -> Tree:
-        if budget == AR:
-            return single_node(root)
-        logp = self._draft_logprobs(root, n)
-        if budget == CHAIN:
-            return build_chain(torch.argmax(logp, dim=-1), root)
-        return build_tree(logp, root, int(budget))
+            self.root.copy_(bufs.summary[-1])
+            self._host_n += a
+            self.n.fill_(self._host_n)
+            yield Step(summary[2 : 1 + a] + [summary[-1]], a)

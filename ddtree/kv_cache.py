@@ -25,13 +25,13 @@ class KVCache:
         self.v[layer].index_copy_(0, slots, v)
         return self.k[layer, :kv_len], self.v[layer, :kv_len]
 
-    def compact(self, start: int, order: torch.Tensor) -> None:
+    def compact(self, start: int | torch.Tensor, order: torch.Tensor) -> None:
         """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.
 
         `order` [M] lists the kept tree nodes first (in depth order); entries after them are
         don't-care. Gathering before writing makes overlapping moves safe.
         """
         src = order + start
-        dst = torch.arange(start, start + order.shape[0], device=order.device)
+        dst = torch.arange(order.shape[0], device=order.device) + start
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))

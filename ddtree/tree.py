@@ -64,7 +64,6 @@ def build_tree(logp: torch.Tensor, root_token: torch.Tensor, budget: int) -> Tre
     b = budget
     k = min(b, vocab)
     ranked_logp, ranked_tok = rank_tokens(logp.float(), k)
-    neg_inf = torch.tensor(float("-inf"), device=device)
 
     level_scores = torch.full((depth_count, b), float("-inf"), device=device)
     level_parent = torch.zeros((depth_count, b), dtype=torch.long, device=device)
@@ -83,7 +82,7 @@ def build_tree(logp: torch.Tensor, root_token: torch.Tensor, budget: int) -> Tre
     values, idx = values[:b], idx[:b]
     sel_depth = idx // b  # 0-based depth index
     sel_pos = idx % b
-    valid = values > neg_inf
+    valid = values > float("-inf")
     node_of = torch.full((depth_count, b), -1, dtype=torch.long, device=device)
     node_of[sel_depth, sel_pos] = torch.arange(1, b + 1, device=device)
     parent_pos = level_parent[sel_depth, sel_pos]
@@ -118,6 +117,18 @@ def single_node(root_token: torch.Tensor) -> Tree:
                 torch.ones(1, 1, dtype=torch.bool, device=device))
 
 
+def context_tree_mask(n: torch.Tensor, visible: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Visibility of the verify forward: [N, kv_len] bool. Every node sees the committed context
+    (columns < n) and, among the tree's columns n .. n + N - 1, its ancestors and itself; columns
+    past the tree are padding. n: [] long on the device, so the shape depends on kv_len only."""
+    size = visible.shape[0]
+    cols = torch.arange(kv_len, device=visible.device)
+    rel = cols - n
+    in_tree = (rel >= 0) & (rel < size)
+    tree_part = visible[:, rel.clamp(0, size - 1)] & in_tree[None, :]
+    return (cols < n)[None, :] | tree_part
+
+
 @dataclass
 class Walk:
     """accepted [N] bool; order [N]: accepted nodes first, in depth order; length: [] number accepted
@@ -136,10 +147,11 @@ def walk(tree: Tree, choices: torch.Tensor) -> Walk:
     siblings carry distinct tokens, so the accepted nodes form one path.
     """
     parent_choice = choices[tree.parents.clamp(min=0)]
-    match = (tree.tokens == parent_choice) & tree.valid
-    match[0] = True
+    is_root = torch.arange(tree.size, device=choices.device) == 0
+    match = ((tree.tokens == parent_choice) & tree.valid) | is_root
     accepted = ~(tree.visible & ~match[None, :]).any(dim=1)
     order = torch.argsort((~accepted).to(torch.int8), stable=True)
     length = accepted.sum()
-    last = order[length - 1]
-    return Walk(accepted, order, length, choices[last])
+    # gather, not order[length - 1]: indexing with a 0-d tensor would copy it to the host.
+    last = order.gather(0, (length - 1).reshape(1))
+    return Walk(accepted, order, length, choices.gather(0, last)[0])

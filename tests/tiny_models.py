@@ -137,3 +137,54 @@ def make_drafter(
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return cfg
+
+
+def make_tokenizer(path: Path, vocab: int = 512, eos: str = "<|endoftext|>", mask: str = "<|mask|>") -> tuple[int, int]:
+    """Train a byte-level BPE tokenizer on a little Python source and save it as a Hugging Face
+    tokenizer in `path`. Returns (eos id, mask id)."""
+    import inspect
+    import json as _json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos, mask],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = inspect.getsource(_json) + inspect.getsource(inspect)
+    tok.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, additional_special_tokens=[mask])
+    fast.save_pretrained(str(path))
+    return tok.token_to_id(eos), tok.token_to_id(mask)
+
+
+def make_pair_with_tokenizer(root: Path, block_size: int = 8) -> tuple[Path, Path]:
+    """A tiny random target (with tokenizer, eos and mask tokens) and its random drafter under `root`."""
+    target, draft = root / "target", root / "drafter"
+    target.mkdir(parents=True, exist_ok=True)
+    eos, mask = make_tokenizer(target)
+    make_target(target, "qwen3", vocab=512, eos=eos, max_positions=1024, peak=4.0)
+    make_tokenizer(target)  # save_pretrained of the model leaves tokenizer files alone; rewrite to be sure
+    make_drafter(draft, target, block_size=block_size, mask_token_id=mask)
+    return target, draft
+
+
+def reference_draft_logprobs(hf_target, ref_drafter, seq: list[int], n: int) -> torch.Tensor:
+    """z-lab's reference draft for a sequence committed up to `n` (root = seq[n]), computed from
+    scratch: transformers' hidden states of seq[:n] as context, block [seq[n], MASK x (b-1)] at
+    positions n..n+b-1. Returns log-probs [b-1, V] (float32). `ref_drafter` is a
+    `dflash.model.DFlashDraftModel`."""
+    from dflash.model import extract_context_feature
+
+    b = ref_drafter.block_size
+    with torch.no_grad():
+        out = hf_target(torch.tensor([seq[:n]]), output_hidden_states=True)
+        feats = extract_context_feature(out.hidden_states, ref_drafter.target_layer_ids)
+        block = torch.full((b,), ref_drafter.mask_token_id, dtype=torch.long)
+        block[0] = seq[n]
+        noise = hf_target.get_input_embeddings()(block)[None]
+        hidden = ref_drafter(target_hidden=feats, noise_embedding=noise, position_ids=torch.arange(n + b)[None])[0]
+        logits = ref_drafter.compute_logits(hidden[1:], hf_target.lm_head)
+    return torch.log_softmax(logits.float(), dim=-1)

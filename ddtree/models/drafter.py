@@ -14,7 +14,7 @@ from torch import nn
 
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import DrafterConfig
-from ddtree.models.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
 
 
 class DrafterAttention(nn.Module):
@@ -39,14 +39,14 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(m, self.n_kv, self.head_dim))
         return apply_rope(k, cos, sin), self.v_proj(x).view(m, self.n_kv, self.head_dim)
 
-    def forward(self, x, cos, sin, slots, kv_len, masks, cache: KVCache):
+    def forward(self, x, cos, sin, metas: dict[str, AttentionMeta], cache: KVCache):
         b = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(b, self.n_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        keys, values = cache.write(self.layer_idx, slots, k, v, kv_len)
-        mask = masks["sliding"] if self.sliding else masks["full"]
-        return self.o_proj(attend(q, keys, values, mask, self.scale))
+        meta = metas["sliding" if self.sliding else "full"]
+        keys, values = cache.write(self.layer_idx, meta.write_slots, k, v, meta.kv_len)
+        return self.o_proj(attend(q, keys, values, meta, self.scale))
 
 
 class DrafterLayer(nn.Module):
@@ -57,8 +57,8 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, slots, kv_len, masks, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, slots, kv_len, masks, cache)
+    def forward(self, h, cos, sin, metas, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, metas, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -89,32 +89,31 @@ class DFlashDrafter(nn.Module):
             cache.k[attn.layer_idx].index_copy_(0, positions, k)
             cache.v[attn.layer_idx].index_copy_(0, positions, v)
 
-    def block_masks(self, context_len: int, block: int, device) -> dict:
-        """Visibility [block, context_len + block] for full and sliding layers (None = everything)."""
-        cfg = self.config
-        masks = {"full": None, "sliding": None}
-        if "sliding_attention" in cfg.layer_types:
-            q_pos = torch.arange(context_len, context_len + block, device=device)[:, None]
-            k_pos = torch.arange(context_len + block, device=device)[None, :]
-            visible = k_pos <= q_pos
-            if cfg.sliding_window is not None:
-                visible &= q_pos - k_pos < cfg.sliding_window
-            masks["sliding"] = visible
-        return masks
+    def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int) -> dict[str, AttentionMeta]:
+        """Attention metadata for a block at positions context_len .. context_len + block - 1.
 
-    def forward(self, noise_embedding: torch.Tensor, context_len: int, cache: KVCache, masks: dict | None = None) -> torch.Tensor:
-        """noise_embedding [b, H] for positions context_len .. context_len + b - 1 -> hidden [b, H].
-
-        Keys of context positions [0, context_len) must already be cached.
+        context_len: [] long (on the device); kv_len >= context_len + block (columns past the block are
+        padding). Full layers see the context and the whole block; sliding layers are causal and windowed.
         """
-        b = noise_embedding.shape[0]
-        positions = torch.arange(context_len, context_len + b, device=noise_embedding.device)
+        device = context_len.device
+        positions = context_len + torch.arange(block, device=device)
+        cols = torch.arange(kv_len, device=device)[None, :]
+        full = (cols < context_len + block).expand(block, kv_len)
+        sliding = cols <= positions[:, None]
+        if self.config.sliding_window is not None:
+            sliding = sliding & (positions[:, None] - cols < self.config.sliding_window)
+        return {"full": AttentionMeta(positions, kv_len, full), "sliding": AttentionMeta(positions, kv_len, sliding)}
+
+    def forward(self, noise_embedding: torch.Tensor, metas: dict[str, AttentionMeta], cache: KVCache) -> torch.Tensor:
+        """noise_embedding [b, H] at the positions `metas` give (its write slots) -> hidden [b, H].
+
+        Keys of the context positions before the block must already be cached.
+        """
+        positions = metas["full"].write_slots
         cos, sin = self.rotary(positions, noise_embedding.dtype)
-        if masks is None:
-            masks = self.block_masks(context_len, b, noise_embedding.device)
         h = noise_embedding
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, context_len + b, masks, cache)
+            h = layer(h, cos, sin, metas, cache)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

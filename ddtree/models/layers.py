@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -89,29 +89,45 @@ class AttentionMeta:
     """What one forward needs to know about the cache, built once and shared by every layer.
 
     `write_slots` [N]: cache slots the N new tokens' keys/values go to.
-    `kv_len`: keys [0, kv_len) are read.
-    `mask` [N, kv_len] bool: True where query i may see key j (context columns all True,
-    the new tokens' block causal for prefill or ancestor-only for a tree), or None for full visibility.
+    `kv_len`: keys [0, kv_len) are read (on CUDA a bucketed length, so that graphs can be reused).
+    `mask` [N, kv_len] bool: True where query i may see key j (the context, then the new tokens'
+    block: causal, ancestor-only for a tree, and False on padding columns); None with `causal`
+    for plain causal attention from an empty cache (prefill).
     """
 
     write_slots: torch.Tensor
     kv_len: int
     mask: torch.Tensor | None
-    causal: bool = False  # with mask None: plain causal attention (prefill into an empty cache)
+    causal: bool = False
+    _bias: dict = field(default_factory=dict, repr=False)
+
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping,
+        computed once per forward and shared by all layers."""
+        key = (group, dtype)
+        if key not in self._bias:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+            self._bias[key] = bias.repeat(group, 1)
+        return self._bias[key]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           causal: bool = False) -> torch.Tensor:
-    """q: [N, Hq, D]; k, v: [T, Hkv, D]; mask: [N, T] bool or None (None: all visible, or causal
-    when `causal`). Returns [N, Hq * D]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    """q: [N, Hq, D]; k, v: [T, Hkv, D] (T = meta.kv_len). Returns [N, Hq * D].
+
+    With a mask, the query heads that share a KV head are stacked along the query axis
+    ([Hkv, group * N, D]) so that keys and values are read once per KV head, never copied.
+    """
     n, hq, d = q.shape
     hkv = k.shape[1]
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.transpose(0, 1).unsqueeze(0)
+    group = hq // hkv
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
     vh = v.transpose(0, 1).unsqueeze(0)
-    if hkv != hq:
-        kh = kh.repeat_interleave(hq // hkv, dim=1)
-        vh = vh.repeat_interleave(hq // hkv, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=None if mask is None else mask[None, None], scale=scale,
-                                         is_causal=causal and mask is None)
-    return out[0].transpose(0, 1).reshape(n, hq * d)
+    if meta.mask is None:
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, N, D]
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=group > 1)
+        return out[0].transpose(0, 1).reshape(n, hq * d)
+    qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
+    bias = meta.bias(group, q.dtype)[None, None]
+    out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=bias, scale=scale)  # [1, Hkv, group * N, D]
+    return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)

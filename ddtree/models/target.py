@@ -39,7 +39,7 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(self.layer_idx, meta.write_slots, k, v, meta.kv_len)
-        return self.o_proj(attend(q, keys, values, meta.mask, self.scale, meta.causal))
+        return self.o_proj(attend(q, keys, values, meta, self.scale))
 
 
 class TargetLayer(nn.Module):

@@ -1,0 +1,20 @@
+"""Shared fixtures: model pairs on disk."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiny_models import make_pair_with_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TARGET = REPO / "models" / "demo-target"
+DEMO_DRAFT = REPO / "models" / "demo-drafter"
+
+
+@pytest.fixture(scope="session")
+def demo_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The shipped demo pair when present, else a tiny random pair with a real tokenizer."""
+    if (DEMO_TARGET / "config.json").is_file() and (DEMO_DRAFT / "config.json").is_file():
+        return DEMO_TARGET, DEMO_DRAFT
+    return make_pair_with_tokenizer(tmp_path_factory.mktemp("pair"))
