@@ -84,15 +84,19 @@ def tree_size(budget: TreeBudget, block_size: int) -> int:
 
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
-                 use_graphs: bool | None = None, kv_bucket: int = 256):
+                 use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.max_model_len = max_model_len
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if compile_layers if compile_layers is not None else self.use_graphs:
+            target.use_compiled()
+            if drafter is not None:
+                drafter.use_compiled()
         # Graphs bake in the KV length: round it up to a bucket so one graph serves many rounds.
-        self.kv_bucket = kv_bucket if self.use_graphs else 1
+        self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
         self.block_size = drafter.config.block_size if drafter is not None else 0
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
         self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
@@ -119,7 +123,9 @@ class Engine:
         b = self.block_size
         block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=self.device)
         block[0] = root
-        noise = self.target.embed_tokens(block) * cfg.input_embedding_scale
+        noise = self.target.embed_tokens(block)
+        if cfg.input_embedding_scale != 1.0:
+            noise = noise * cfg.input_embedding_scale
         hidden = self.drafter(noise, self.drafter.block_metas(n, b, kv_len), self.draft_cache)
         return F.log_softmax(self.drafter.logits(hidden[1:], self.target.lm_head), dim=-1)
 

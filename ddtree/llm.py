@@ -80,6 +80,8 @@ class LLM:
         max_model_len: int | None = None,
         use_draft: bool = True,
         use_graphs: bool | None = None,
+        compile_layers: bool | None = None,
+        kv_bucket: int | None = None,
     ):
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
@@ -108,7 +110,8 @@ class LLM:
         self.tokenizer: Tokenizer | None = load_tokenizer(self.target_path)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
-        self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs)
+        self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
+                             compile_layers=compile_layers)
 
     # -- facts the server and benchmark report -----------------------------------------------
 

@@ -33,19 +33,47 @@ class Tree:
         return self.tokens.shape[0]
 
 
+def order_keys(values: torch.Tensor, index_bits: int) -> torch.Tensor:
+    """Unique int64 keys whose descending order is (value descending, position ascending) along
+    the last dim, so that one `topk` does the work of a stable descending sort. values: float32."""
+    bits = (values.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64) + 2**31  # order-preserving, >= 0
+    positions = torch.arange(values.shape[-1], device=values.device)
+    return (mono << index_bits) | ((1 << index_bits) - 1 - positions)
+
+
+def top_sorted(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries along the last dim and their positions, ties by position (stable)."""
+    index_bits = max(1, (values.shape[-1] - 1).bit_length())
+    idx = torch.topk(order_keys(values, index_bits), k, dim=-1).indices
+    return values.gather(-1, idx), idx
+
+
 def rank_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logp [D, V] -> the k best log-probs and their token ids per depth, [D, k], ties by token id."""
-    values, tokens = torch.sort(logp, dim=-1, descending=True, stable=True)
-    return values[:, :k], tokens[:, :k]
+    return top_sorted(logp.float(), k)
 
 
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents [N] (root and padding: -1) -> visible [N, N]: True at (i, j) if j is i or an ancestor of i."""
+def ancestor_mask(parents: torch.Tensor, max_depth: int, by_squaring: bool | None = None) -> torch.Tensor:
+    """parents [N] (root and padding: -1) -> visible [N, N]: True at (i, j) if j is i or an ancestor of i.
+
+    By squaring (the default on CUDA): square the (self + parent) reachability matrix
+    ceil(log2(max_depth + 1)) times, a few matrix products; otherwise (the default elsewhere):
+    follow parent pointers, one vectorized step per depth.
+    """
     n = parents.shape[0]
     rows = torch.arange(n, device=parents.device)
-    visible = torch.eye(n, dtype=torch.bool, device=parents.device)
-    cur = parents
-    for _ in range(max_depth):
+    has = parents >= 0
+    step = torch.eye(n, dtype=torch.bool, device=parents.device)
+    step[rows, parents.clamp(min=0)] |= has
+    if parents.is_cuda if by_squaring is None else by_squaring:
+        reach = step.to(torch.bfloat16)  # 0/1 entries; products count <= max_depth + 1 paths: exact in bf16
+        for _ in range(max(1, max_depth).bit_length()):
+            reach = ((reach @ reach) > 0).to(torch.bfloat16)
+        return reach > 0
+    visible = step
+    cur = torch.where(has, parents[parents.clamp(min=0)], -1)
+    for _ in range(max_depth - 1):
         has = cur >= 0
         visible[rows, cur.clamp(min=0)] |= has
         cur = torch.where(has, parents[cur.clamp(min=0)], cur)
@@ -57,7 +85,7 @@ def build_tree(logp: torch.Tensor, root_token: torch.Tensor, budget: int) -> Tre
 
     logp: [D, V] float32 log-probs of depths 1..D (D = block size - 1); root_token: [] long.
     Level by level, keep the `budget` best nodes of each depth (no node outside them can be in the
-    global top set), then take the global top `budget`. Stable sorts implement the tie rule.
+    global top set), then take the global top `budget`. Stable top-k selections (`top_sorted`) implement the tie rule.
     """
     depth_count, vocab = logp.shape
     device = logp.device
@@ -72,14 +100,12 @@ def build_tree(logp: torch.Tensor, root_token: torch.Tensor, budget: int) -> Tre
     level_token[0, :k] = ranked_tok[0]
     for d in range(1, depth_count):
         cand = (level_scores[d - 1][:, None] + ranked_logp[d][None, :]).reshape(-1)  # [b * k]
-        values, idx = torch.sort(cand, descending=True, stable=True)
-        values, idx = values[:b], idx[:b]
+        values, idx = top_sorted(cand, b)
         level_scores[d] = values
         level_parent[d] = idx // k
         level_token[d] = ranked_tok[d][idx % k]
 
-    values, idx = torch.sort(level_scores.reshape(-1), descending=True, stable=True)
-    values, idx = values[:b], idx[:b]
+    values, idx = top_sorted(level_scores.reshape(-1), b)
     sel_depth = idx // b  # 0-based depth index
     sel_pos = idx % b
     valid = values > float("-inf")
@@ -150,8 +176,11 @@ def walk(tree: Tree, choices: torch.Tensor) -> Walk:
     is_root = torch.arange(tree.size, device=choices.device) == 0
     match = ((tree.tokens == parent_choice) & tree.valid) | is_root
     accepted = ~(tree.visible & ~match[None, :]).any(dim=1)
-    order = torch.argsort((~accepted).to(torch.int8), stable=True)
-    length = accepted.sum()
+    taken = accepted.long()
+    length = taken.sum()
+    # Accepted nodes first, in index (= depth) order, then the rest: a stable partition by cumsum.
+    slot = torch.where(accepted, taken.cumsum(0) - 1, length + (1 - taken).cumsum(0) - 1)
+    order = torch.empty_like(slot).scatter_(0, slot, torch.arange(tree.size, device=slot.device))
     # gather, not order[length - 1]: indexing with a 0-d tensor would copy it to the host.
     last = order.gather(0, (length - 1).reshape(1))
     return Walk(accepted, order, length, choices.gather(0, last)[0])

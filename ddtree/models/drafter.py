@@ -10,10 +10,12 @@ target's.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import DrafterConfig
+from ddtree.models.fused import EAGER, LayerOps, compiled_ops
 from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
 
 
@@ -39,15 +41,6 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(m, self.n_kv, self.head_dim))
         return apply_rope(k, cos, sin), self.v_proj(x).view(m, self.n_kv, self.head_dim)
 
-    def forward(self, x, cos, sin, metas: dict[str, AttentionMeta], cache: KVCache):
-        b = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(b, self.n_heads, self.head_dim))
-        q = apply_rope(q, cos, sin)
-        k, v = self.key_value(x, cos, sin)
-        meta = metas["sliding" if self.sliding else "full"]
-        keys, values = cache.write(self.layer_idx, meta.write_slots, k, v, meta.kv_len)
-        return self.o_proj(attend(q, keys, values, meta, self.scale))
-
 
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
@@ -57,9 +50,18 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, metas, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, metas, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, metas: dict[str, AttentionMeta], cache: KVCache, ops: LayerOps):
+        a, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps
+        q, k, v = ops.project_qkv_split(
+            h, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+            a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.q_norm.weight, a.k_norm.weight,
+            cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
+        meta = metas["sliding" if a.sliding else "full"]
+        keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
+        attn = attend(q, keys, values, meta, a.scale)
+        return ops.finish_layer(h, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
 
 class DFlashDrafter(nn.Module):
@@ -73,21 +75,29 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+        self.ops: LayerOps = EAGER
+
+    def use_compiled(self) -> None:
+        """Run the per-layer elementwise work through torch.compile (CUDA)."""
+        self.ops = compiled_ops()
 
     def new_cache(self, slots: int, device, dtype) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
 
     @torch.no_grad()
+    @torch.no_grad()
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
         """Cache keys/values of committed tokens. features: [M, len(taps) * H]; positions: [M] (= their slots)."""
-        ctx = self.hidden_norm(self.fc(features))
+        ops = self.ops
+        ctx = ops.rms_norm(F.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
         for layer in self.layers:
-            attn = layer.self_attn
-            k, v = attn.key_value(ctx, cos, sin)
-            cache.k[attn.layer_idx].index_copy_(0, positions, k)
-            cache.v[attn.layer_idx].index_copy_(0, positions, v)
+            a = layer.self_attn
+            k, v = ops.project_kv(ctx, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+                                  a.k_norm.weight, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
+            cache.k[a.layer_idx].index_copy_(0, positions, k)
+            cache.v[a.layer_idx].index_copy_(0, positions, v)
 
     def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int) -> dict[str, AttentionMeta]:
         """Attention metadata for a block at positions context_len .. context_len + block - 1.
@@ -113,13 +123,15 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions, noise_embedding.dtype)
         h = noise_embedding
         for layer in self.layers:
-            h = layer(h, cos, sin, metas, cache)
-        return self.norm(h)
+            h = layer(h, cos, sin, metas, cache, self.ops)
+        return self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Draft logits [b, V] in float32 through the target's LM head, with the config's multiplier/softcap."""
         cfg = self.config
-        logits = lm_head(hidden).float() * cfg.output_multiplier
+        logits = lm_head(hidden).float()
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.configs import RopeConfig
+from ddtree.models.fused import rms_norm, rotate
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -60,14 +58,7 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim]; cos, sin: [N, rotary_dim]. Rotates the first rotary_dim channels."""
-    rd = cos.shape[-1]
-    rot, rest = x[..., :rd], x[..., rd:]
-    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out, rest], dim=-1) if rest.numel() else out
+apply_rope = rotate  # x [N, heads, head_dim], cos/sin [N, rotary_dim]
 
 
 class SwiGLU(nn.Module):

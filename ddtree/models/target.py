@@ -11,7 +11,8 @@ from torch import nn
 
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
-from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from ddtree.models.fused import EAGER, LayerOps, compiled_ops
+from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, attend
 
 
 class TargetAttention(nn.Module):
@@ -29,18 +30,6 @@ class TargetAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.n_heads, self.head_dim)
-        k = k.view(n, self.n_kv, self.head_dim)
-        v = v.view(n, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(self.layer_idx, meta.write_slots, k, v, meta.kv_len)
-        return self.o_proj(attend(q, keys, values, meta, self.scale))
-
 
 class TargetLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_idx: int):
@@ -50,9 +39,17 @@ class TargetLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, meta, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, meta: AttentionMeta, cache: KVCache, ops: LayerOps):
+        a, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps
+        q, k, v = ops.project_qkv(
+            h, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+            a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
+            cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
+        keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
+        attn = attend(q, keys, values, meta, a.scale)
+        return ops.finish_layer(h, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
 
 class TargetModel(nn.Module):
@@ -68,6 +65,11 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+        self.ops: LayerOps = EAGER
+
+    def use_compiled(self) -> None:
+        """Run the per-layer elementwise work through torch.compile (CUDA)."""
+        self.ops = compiled_ops()
 
     def new_cache(self, slots: int, device, dtype) -> KVCache:
         cfg = self.config
@@ -91,7 +93,7 @@ class TargetModel(nn.Module):
         taps = []
         wanted = set(feature_layers or ())
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache)
+            h = layer(h, cos, sin, meta, cache, self.ops)
             if i in wanted:
                 taps.append(h)
         features = None
@@ -100,5 +102,5 @@ class TargetModel(nn.Module):
             features = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
         if logit_rows is not None:
             h = h[logit_rows]
-        logits = self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.ops.rms_norm(h, self.norm.weight, self.norm.eps)).float()
         return logits, features

@@ -1,0 +1,91 @@
+"""The per-layer work around attention as plain functions of tensors, so that on CUDA one
+`torch.compile` of each fuses its elementwise work (RMSNorm, q/k norms, rotary, SwiGLU, residuals)
+into a few kernels shared by every layer of every model. On the CPU they run eagerly.
+
+Weights are arguments (not module attributes) so one compiled function serves all layers
+without recompiling.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim]; cos, sin: [N, rotary_dim]. Rotates the first rotary_dim channels."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+    out = rot * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def project_qkv(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, n_heads: int, n_kv: int, head_dim: int,
+                eps: float):
+    """h [N, H] -> q [N, Hq, D], k [N, Hkv, D] (normed, rotated), v [N, Hkv, D]."""
+    n = h.shape[0]
+    qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q, k, v = q.view(n, n_heads, head_dim), k.view(n, n_kv, head_dim), v.view(n, n_kv, head_dim)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def project_qkv_split(h, norm_w, q_w, k_w, v_w, q_b, k_b, v_b, q_norm_w, k_norm_w, cos, sin, n_heads: int,
+                      n_kv: int, head_dim: int, eps: float):
+    """As project_qkv, with separate q/k/v matrices (the drafter's layout)."""
+    n = h.shape[0]
+    x = rms_norm(h, norm_w, eps)
+    q = rms_norm(F.linear(x, q_w, q_b).view(n, n_heads, head_dim), q_norm_w, eps)
+    k = rms_norm(F.linear(x, k_w, k_b).view(n, n_kv, head_dim), k_norm_w, eps)
+    v = F.linear(x, v_w, v_b).view(n, n_kv, head_dim)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def project_kv(x, k_w, k_b, v_w, v_b, k_norm_w, cos, sin, n_kv: int, head_dim: int, eps: float):
+    """x [M, H] (no input norm: the drafter's context) -> k [M, Hkv, D] (normed, rotated), v [M, Hkv, D]."""
+    m = x.shape[0]
+    k = rms_norm(F.linear(x, k_w, k_b).view(m, n_kv, head_dim), k_norm_w, eps)
+    return rotate(k, cos, sin), F.linear(x, v_w, v_b).view(m, n_kv, head_dim)
+
+
+def finish_layer(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, eps: float):
+    """The rest of a decoder layer after attention: o_proj + residual, then RMSNorm -> SwiGLU + residual."""
+    h = h + F.linear(attn, o_w, o_b)
+    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+class LayerOps:
+    """The functions a layer calls: eager, or compiled once for all layers (CUDA)."""
+
+    def __init__(self, compiled: bool):
+        if compiled:
+            self.project_qkv = torch.compile(project_qkv, dynamic=True, fullgraph=True)
+            self.finish_layer = torch.compile(finish_layer, dynamic=True, fullgraph=True)
+            self.project_qkv_split = torch.compile(project_qkv_split, dynamic=True, fullgraph=True)
+            self.project_kv = torch.compile(project_kv, dynamic=True, fullgraph=True)
+            self.rms_norm = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+        else:
+            self.project_kv = project_kv
+            self.project_qkv, self.finish_layer, self.rms_norm = project_qkv, finish_layer, rms_norm
+            self.project_qkv_split = project_qkv_split
+
+
+EAGER = LayerOps(compiled=False)
+_COMPILED: LayerOps | None = None
+
+
+def compiled_ops() -> LayerOps:
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = LayerOps(compiled=True)
+    return _COMPILED
