@@ -18,3 +18,14 @@ def demo_pair(tmp_path_factory) -> tuple[Path, Path]:
     if (DEMO_TARGET / "config.json").is_file() and (DEMO_DRAFT / "config.json").is_file():
         return DEMO_TARGET, DEMO_DRAFT
     return make_pair_with_tokenizer(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run fastest single-threaded, and the suite stays fast on a busy 2-core box."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -35,6 +35,19 @@ def _require(cfg: dict, key: str, kind: type, what: str):
     return value
 
 
+def _number(value, kind: type, field_name: str, what: str):
+    """int(value) / float(value) for a config field, or a DDTreeError naming the field."""
+    if isinstance(value, bool):
+        raise DDTreeError(f"{what}: config field '{field_name}' must be a number, got {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise DDTreeError(f"{what}: config field '{field_name}' must be a number, got {value!r}") from None
+    if kind is int and number != value:
+        raise DDTreeError(f"{what}: config field '{field_name}' must be an integer, got {value!r}")
+    return number
+
+
 @dataclass
 class RopeConfig:
     """Rotary embedding settings: theta plus optional scaling (`default`, `linear`, `llama3`)."""
@@ -59,13 +72,14 @@ class RopeConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise DDTreeError(f"{what}: rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         return cls(
-            theta=float(theta),
+            theta=_number(theta, float, "rope_theta", what),
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+            factor=_number(params.get("factor", 1.0), float, "rope factor", what),
+            low_freq_factor=_number(params.get("low_freq_factor", 1.0), float, "low_freq_factor", what),
+            high_freq_factor=_number(params.get("high_freq_factor", 4.0), float, "high_freq_factor", what),
+            original_max_position_embeddings=_number(params.get("original_max_position_embeddings", 8192), int,
+                                                     "original_max_position_embeddings", what),
+            partial_rotary_factor=_number(cfg.get("partial_rotary_factor", 1.0), float, "partial_rotary_factor", what),
         )
 
 
@@ -92,21 +106,27 @@ class TransformerConfig:
         hidden = _require(cfg, "hidden_size", int, what)
         layers = _require(cfg, "num_hidden_layers", int, what)
         heads = _require(cfg, "num_attention_heads", int, what)
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        kv_heads = _number(cfg.get("num_key_value_heads") or heads, int, "num_key_value_heads", what)
+        for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                            ("num_key_value_heads", kv_heads)):
+            if value < 1:
+                raise DDTreeError(f"{what}: config field '{name}' must be >= 1, got {value}")
+        head_dim = _number(cfg.get("head_dim") or hidden // heads, int, "head_dim", what)
+        if head_dim < 2 or head_dim % 2:
+            raise DDTreeError(f"{what}: head_dim must be an even number >= 2, got {head_dim}")
         if heads % kv_heads:
             raise DDTreeError(f"{what}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         return dict(
             hidden_size=hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             intermediate_size=_require(cfg, "intermediate_size", int, what),
             vocab_size=_require(cfg, "vocab_size", int, what),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(cfg.get("rms_norm_eps", 1e-6), float, "rms_norm_eps", what),
             rope=RopeConfig.from_hf(cfg, what),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_number(cfg.get("max_position_embeddings", 4096), int, "max_position_embeddings", what),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
@@ -195,28 +215,36 @@ class DrafterConfig(TransformerConfig):
         if not isinstance(num_target_layers, int) or num_target_layers < 1:
             raise DDTreeError(f"{what}: config.json field 'num_target_layers' is missing or invalid")
         layer_ids = pick("target_layer_ids") or build_target_layer_ids(num_target_layers, layers)
+        if not isinstance(layer_ids, list) or not layer_ids:
+            raise DDTreeError(f"{what}: dflash_config.target_layer_ids must be a non-empty list of integers")
+        layer_ids = [_number(i, int, "target_layer_ids", what) for i in layer_ids]
         mask_token_id = pick("mask_token_id")
         if not isinstance(mask_token_id, int):
             raise DDTreeError(f"{what}: dflash_config.mask_token_id is missing or not an integer")
         layer_types = cfg.get("layer_types") or ["full_attention"] * layers
         if len(layer_types) != layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
             raise DDTreeError(f"{what}: layer_types must list 'full_attention'/'sliding_attention' for each of {layers} layers")
-        block_size = int(pick("block_size", 16))
+        block_size = _number(pick("block_size", 16), int, "block_size", what)
         if block_size < 2:
             raise DDTreeError(f"{what}: block_size must be >= 2, got {block_size}")
         softcap = pick("final_logit_softcapping")
+        window = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and window is not None:
+            window = _number(window, int, "sliding_window", what)
+            if window < 1:
+                raise DDTreeError(f"{what}: sliding_window must be >= 1, got {window}")
         return cls(
             **fields,
             qk_norm=True,
             block_size=block_size,
             num_target_layers=num_target_layers,
-            target_layer_ids=[int(i) for i in layer_ids],
+            target_layer_ids=layer_ids,
             mask_token_id=mask_token_id,
             layer_types=list(layer_types),
-            sliding_window=cfg.get("sliding_window"),
-            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
-            output_multiplier=float(pick("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap else None,
+            sliding_window=window,
+            input_embedding_scale=_number(pick("input_embedding_scale", 1.0), float, "input_embedding_scale", what),
+            output_multiplier=_number(pick("output_multiplier", 1.0), float, "output_multiplier", what),
+            final_logit_softcapping=_number(softcap, float, "final_logit_softcapping", what) if softcap else None,
         )
 
     def check_against(self, target: TargetConfig, path: str | Path) -> None:
