@@ -27,6 +27,7 @@ CHAIN = "chain"
 TreeBudget = Union[str, int]  # "ar", "chain" or an int >= 1
 
 MAX_TREE_BUDGET = 4096
+GREEDY_BELOW = 1e-5
 
 
 def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
@@ -79,7 +80,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 decode greedily (as vLLM does): dividing by them overflows."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         def number(name: str, value: object) -> float:
@@ -101,8 +103,8 @@ class SamplingParams:
             raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if integer("top_k", self.top_k) < 0:
             raise DDTreeError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
-        if self.seed is not None and integer("seed", self.seed) < 0:
-            raise DDTreeError(f"seed must be >= 0, got {self.seed}", "seed")
+        if self.seed is not None and not 0 <= integer("seed", self.seed) < 2**63:
+            raise DDTreeError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

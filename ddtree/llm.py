@@ -147,7 +147,10 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise DDTreeError("prompt must not be empty", "prompt")
-            return self.encode(prompt)
+            ids = self.encode(prompt)
+            if not ids:
+                raise DDTreeError("prompt encodes to no tokens", "prompt")
+            return ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise DDTreeError("prompt must be a non-empty string or list of token ids", "prompt")
         for t in prompt:

@@ -1,0 +1,108 @@
+"""Prometheus metrics, named as vLLM names them so that `vllm bench serve` and existing dashboards
+read DDTree's acceptance unchanged.
+
+Per decode round with a tree (any budget but "ar"), with acceptance length `a` (bonus token counted):
+num_drafts += 1, num_draft_tokens += tree nodes drafted, num_accepted_tokens += a - 1 and
+num_accepted_tokens_per_pos{position=i} += 1 for every i < a - 1. Mean acceptance length is
+therefore 1 + accepted / drafts, as vLLM defines it.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ddtree.config import AR, CHAIN, TreeBudget
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+ACCEPTANCE_BUCKETS = tuple(range(1, 17)) + (24, 32, 64)
+
+
+def drafted_tokens_per_round(budget: TreeBudget, block_size: int, vocab_size: int) -> int:
+    """Tree nodes (root excluded) the drafter proposes each round: 0 for "ar", block_size - 1 for
+    "chain", else the budget, capped by the number of distinct prefixes the block allows."""
+    if budget == AR:
+        return 0
+    depth = max(block_size - 1, 0)
+    if budget == CHAIN:
+        return depth
+    return min(int(budget), depth * vocab_size)
+
+
+class ServerMetrics:
+    """One registry per app, so several apps in one process never share counters."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Decode rounds that drafted a tree", m, registry=r)
+        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Tree nodes drafted", m, registry=r)
+        self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                           "Drafted tokens accepted by the target", m, registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Rounds whose accepted path reached this depth (0-based)",
+                                        m + ["position"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of started requests", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests", m + ["finished_reason"],
+                                       registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token", m,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1)", m,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests decoding now", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for the engine", m, registry=r)
+        self.tree_budget = Gauge("ddtree:tree_budget",
+                                 "Tree nodes drafted per round at the server's default budget (0 = ar)", m,
+                                 registry=r)
+        self.acceptance_length = Histogram("ddtree:acceptance_length",
+                                           "Acceptance length per drafted round (bonus token counted)", m,
+                                           buckets=ACCEPTANCE_BUCKETS, registry=r)
+        for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.tpot, self.e2e, self.running, self.waiting,
+                       self.tree_budget, self.acceptance_length):
+            metric.labels(model_name)  # expose every series from the start, at zero
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
+    def set_tree_budget(self, nodes: int) -> None:
+        self.tree_budget.labels(self.model_name).set(nodes)
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+
+    def record_rounds(self, acceptance_lengths: list[int], drafted_per_round: int) -> None:
+        """Spec-decode counters for one request's rounds; nothing for "ar" (drafted_per_round == 0)."""
+        if drafted_per_round == 0 or not acceptance_lengths:
+            return
+        name = self.model_name
+        self.num_drafts.labels(name).inc(len(acceptance_lengths))
+        self.num_draft_tokens.labels(name).inc(drafted_per_round * len(acceptance_lengths))
+        self.num_accepted_tokens.labels(name).inc(sum(a - 1 for a in acceptance_lengths))
+        reached: dict[int, int] = {}
+        for a in acceptance_lengths:
+            self.acceptance_length.labels(name).observe(a)
+            for position in range(a - 1):
+                reached[position] = reached.get(position, 0) + 1
+        for position, count in reached.items():
+            self.accepted_per_pos.labels(name, str(position)).inc(count)
+
+    def record_request(self, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
+                       ttft_s: float | None, e2e_s: float, first_to_last_s: float | None) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(output_tokens)
+        self.request_success.labels(name, finish_reason).inc()
+        if ttft_s is not None:
+            self.ttft.labels(name).observe(ttft_s)
+        if first_to_last_s is not None and output_tokens > 1:
+            self.tpot.labels(name).observe(first_to_last_s / (output_tokens - 1))
+        if finish_reason != "abort":
+            self.e2e.labels(name).observe(e2e_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,126 @@
+"""OpenAI response bodies and server-sent-event streams built from a job's StreamEvents."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from ddtree.config import DDTreeError
+from ddtree.server.protocol import SamplingFields, error_body
+from ddtree.server.worker import EngineUnavailable, Job
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def encode():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(encode(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Reply:
+    """Builds the OpenAI response bodies and stream chunks of one request."""
+
+    def __init__(self, prefix: str, obj: str, model: str, body: SamplingFields, prompt_ids: list[int]):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.object = obj
+        self.created = int(time.time())
+        self.model = model
+        self.body = body
+        self.prompt_ids = prompt_ids
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _usage(self, result) -> dict:
+        n_out = len(result.token_ids)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n_out,
+                "total_tokens": len(self.prompt_ids) + n_out}
+
+    def _ids(self, choice: dict, token_ids: list[int], first: bool) -> dict:
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if first:
+                choice["prompt_token_ids"] = list(self.prompt_ids)
+        return choice
+
+    # -- whole responses ---------------------------------------------------------------------
+
+    def completion(self, result) -> dict:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return {**self._head("text_completion"), "choices": [self._ids(choice, result.token_ids, True)],
+                "usage": self._usage(result), "ddtree": asdict(result.stats)}
+
+    def chat(self, result) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        return {**self._head("chat.completion"), "choices": [self._ids(choice, result.token_ids, True)],
+                "usage": self._usage(result), "ddtree": asdict(result.stats)}
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def _events(self, job: Job):
+        """The job's events, with an error turned into a final error chunk; cancels on exit."""
+        try:
+            while True:
+                try:
+                    event = await job.next_event()
+                except DDTreeError as exc:
+                    yield error_body(str(exc), param=exc.param, code="invalid_value")
+                    return
+                except EngineUnavailable as exc:
+                    yield error_body(str(exc), type="server_error", code="engine_unavailable")
+                    return
+                except Exception as exc:  # the engine failed mid-stream (cancellation passes through)
+                    yield error_body(f"internal error: {type(exc).__name__}", type="server_error")
+                    return
+                yield event
+                if event.result is not None:
+                    return
+        finally:
+            job.cancel()
+
+    def _final(self, chunk: dict, result) -> list[dict]:
+        chunk["ddtree"] = asdict(result.stats)
+        out = [chunk]
+        if self.body.include_usage:
+            out.append({**self._head(chunk["object"]), "choices": [], "usage": self._usage(result)})
+        return out
+
+    async def completion_chunks(self, job: Job):
+        first = True
+        async for event in self._events(job):
+            if isinstance(event, dict):
+                yield event
+                return
+            finish = event.result.finish_reason if event.result is not None else None
+            choice = self._ids({"index": 0, "text": event.text, "logprobs": None, "finish_reason": finish},
+                               event.token_ids, first)
+            first = False
+            chunk = {**self._head("text_completion"), "choices": [choice]}
+            for out in (self._final(chunk, event.result) if event.result is not None else [chunk]):
+                yield out
+
+    async def chat_chunks(self, job: Job):
+        head = self._head("chat.completion.chunk")
+        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]}
+        first = True
+        async for event in self._events(job):
+            if isinstance(event, dict):
+                yield event
+                return
+            finish = event.result.finish_reason if event.result is not None else None
+            delta = {"content": event.text} if event.text or finish is None else {}
+            choice = self._ids({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish},
+                               event.token_ids, first)
+            first = False
+            chunk = {**head, "choices": [choice]}
+            for out in (self._final(chunk, event.result) if event.result is not None else [chunk]):
+                yield out

@@ -1,0 +1,213 @@
+"""The engine thread: one `LLM`, one request at a time, requests in arrival order.
+
+HTTP handlers run on the asyncio loop; they hand a validated `Job` to `EngineWorker.submit` and read
+the job's events from an asyncio queue that the engine thread fills. A job whose client went away is
+cancelled: the thread checks the flag after every engine step and closes the `LLM.stream` generator,
+so a disconnected request costs at most the round in progress.
+
+Any unexpected exception from the engine marks it dead: the job gets the error, every queued job
+gets "engine unavailable", /health answers 503 and `on_death` (the CLI: shut the server down with
+exit code 1 so the service manager restarts it) is called.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ddtree.config import AR, DDTreeError, SamplingParams, TreeBudget
+from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
+
+log = logging.getLogger("ddtree.server")
+
+LOADING, READY, DEAD, STOPPED = "loading", "ready", "dead", "stopped"
+
+
+class EngineUnavailable(Exception):
+    """The engine is loading, dead or stopped: the request is answered 503."""
+
+
+@dataclass
+class Job:
+    """One validated request. `events` receives StreamEvents, then nothing more; or one exception."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    budget: TreeBudget
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def next_event(self):
+        """The next StreamEvent; an exception sent by the engine thread is raised here."""
+        item = await self.events.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def emit(self, item: object) -> None:
+        """Called from the engine thread; a closed loop means the client is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:
+            self.cancel()
+
+
+class EngineWorker:
+    def __init__(self, metrics: ServerMetrics, on_death: Callable[[BaseException], None] | None = None):
+        self.metrics = metrics
+        self.on_death = on_death
+        self.llm = None
+        self.state = LOADING
+        self.error: str | None = None
+        self.tree_budget_mode = "fixed"
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._running = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def attach(self, llm, tree_budget_mode: str = "fixed") -> None:
+        """Start serving `llm` (an `LLM` or an object with the same calls)."""
+        with self._lock:
+            if self.state != LOADING:
+                raise RuntimeError(f"engine worker is {self.state}, cannot attach a model")
+            self.llm = llm
+            self.tree_budget_mode = tree_budget_mode
+            self.metrics.set_tree_budget(self.drafted_per_round(llm.default_budget))
+            self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
+            self._thread.start()
+            self.state = READY
+        log.info("engine ready: target %s, drafter %s, tree budget %s on %s", llm.target_name, llm.draft_name,
+                 llm.default_budget, llm.device)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the queued jobs, then end the thread."""
+        with self._lock:
+            if self.state == READY:
+                self.state = STOPPED
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._jobs.put(None)
+            thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def drafted_per_round(self, budget: TreeBudget) -> int:
+        return drafted_tokens_per_round(budget, self.llm.block_size, getattr(self.llm, "vocab_size", 1 << 30))
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.state != READY:
+                raise EngineUnavailable(self.unavailable_reason())
+            self._jobs.put(job)
+        self._update_queue_gauges()
+
+    def unavailable_reason(self) -> str:
+        if self.state == LOADING:
+            return "the model is still loading; retry when /health answers 200"
+        if self.state == DEAD:
+            return f"the engine has failed ({self.error}); the server is restarting"
+        return "the server is shutting down"
+
+    def _update_queue_gauges(self) -> None:
+        self.metrics.set_queue(self._running, self._jobs.qsize())
+
+    def _run(self) -> None:
+        device = getattr(self.llm, "device", None)
+        if getattr(device, "type", None) == "cuda" and device.index is not None:
+            import torch
+
+            torch.cuda.set_device(device)  # this thread's kernels and graphs go to the model's GPU
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if self.state == DEAD:
+                job.emit(EngineUnavailable(self.unavailable_reason()))
+                continue
+            if job.cancelled.is_set():
+                self.metrics.record_request(prompt_tokens=0, output_tokens=0, finish_reason="abort",
+                                            ttft_s=None, e2e_s=time.perf_counter() - job.arrival,
+                                            first_to_last_s=None)
+                continue
+            self._running = 1
+            self._update_queue_gauges()
+            try:
+                self._run_job(job)
+            except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
+                job.emit(exc)
+            except BaseException as exc:  # the engine itself failed
+                log.exception("engine failed while decoding a request")
+                job.emit(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+                self._die(exc)
+            finally:
+                self._running = 0
+                self._update_queue_gauges()
+
+    def _run_job(self, job: Job) -> None:
+        """Decode one job, emitting each StreamEvent; stop after the step in progress once cancelled."""
+        first_token_at = last_token_at = None
+        tokens = 0
+        acceptance_lengths: list[int] = []  # of the rounds seen, for a cancelled job's metrics
+        stream = self.llm.stream(job.prompt_ids, job.params, job.budget)
+        try:
+            for event in stream:
+                now = time.perf_counter()
+                if first_token_at is None:
+                    first_token_at = now
+                elif event.result is None:
+                    acceptance_lengths.append(len(event.token_ids))  # a round commits `a` tokens
+                if event.token_ids:
+                    last_token_at = now
+                tokens += len(event.token_ids)
+                if event.result is not None:  # metrics first, so a client that has its answer sees them
+                    self._record(job, event.result.stats.acceptance_lengths, len(event.result.token_ids),
+                                 event.result.finish_reason, first_token_at, last_token_at)
+                    job.emit(event)
+                    return
+                job.emit(event)
+                if job.cancelled.is_set():
+                    break
+        finally:
+            stream.close()
+        self._record(job, acceptance_lengths, tokens, "abort", first_token_at, last_token_at)
+
+    def _record(self, job: Job, acceptance_lengths: list[int], output_tokens: int, finish_reason: str,
+                first_token_at: float | None, last_token_at: float | None) -> None:
+        drafted = self.drafted_per_round(job.budget) if job.budget != AR else 0
+        self.metrics.record_rounds(acceptance_lengths, drafted)
+        ttft = None if first_token_at is None else first_token_at - job.arrival
+        span = None if first_token_at is None or last_token_at is None else last_token_at - first_token_at
+        self.metrics.record_request(prompt_tokens=len(job.prompt_ids), output_tokens=output_tokens,
+                                    finish_reason=finish_reason, ttft_s=ttft,
+                                    e2e_s=time.perf_counter() - job.arrival, first_to_last_s=span)
+        self._running = 0
+        self._update_queue_gauges()
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self.state = DEAD
+            self.error = f"{type(exc).__name__}: {exc}"
+        while True:  # fail whatever is still queued
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(EngineUnavailable(self.unavailable_reason()))
+        if self.on_death is not None:
+            self.on_death(exc)

@@ -1,0 +1,218 @@
+"""The server in-process: loading and engine-failure states, the API key, cancellation within one
+round, the request models and the metric arithmetic."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ddtree.config import SamplingParams
+from ddtree.llm import LLM
+from ddtree.server.app import create_app
+from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
+from ddtree.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error_body
+from ddtree.server.worker import EngineWorker, Job
+from server_process import metric, metric_values
+
+GOOD = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llm(demo_pair):
+    return LLM(*demo_pair, device="cpu", max_model_len=96)
+
+
+def test_health_is_503_while_loading_then_200(llm):
+    app = create_app(None, served_model_name="late")
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503
+        assert client.get("/health").json() == {"status": "loading"}
+        busy = client.post("/v1/completions", json=GOOD)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "engine_unavailable"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "late"
+        app.state.worker.attach(llm)
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["tree_budget"] == str(llm.default_budget)
+        assert health["max_model_len"] == 96 and health["tree_budget_mode"] == "fixed"
+        out = client.post("/v1/completions", json={**GOOD, "model": "late"})
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
+
+
+def test_engine_failure_is_a_500_then_503_and_reported(demo_pair):
+    broken = LLM(*demo_pair, device="cpu", max_model_len=96)
+
+    def failing_walk(tree, choices):
+        raise RuntimeError("device lost")
+
+    broken.engine.walk_fn = failing_walk
+    deaths = []
+    app = create_app(broken, on_engine_death=deaths.append)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        first = client.post("/v1/completions", json=GOOD)
+        assert first.status_code == 500 and first.json()["error"]["type"] == "server_error"
+        assert len(deaths) == 1 and "device lost" in str(deaths[0])
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert "device lost" in health.json()["error"]
+        again = client.post("/v1/completions", json={**GOOD, "stream": True})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_engine_failure_mid_stream_ends_with_an_error_chunk(demo_pair):
+    broken = LLM(*demo_pair, device="cpu", max_model_len=96)
+
+    def failing_walk(tree, choices):
+        raise RuntimeError("device lost")
+
+    broken.engine.walk_fn = failing_walk  # the prefill's token streams, the first round fails
+    app = create_app(broken, on_engine_death=lambda exc: None)
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", json={**GOOD, "stream": True})
+        assert response.status_code == 200
+        lines = [line for line in response.text.split("\n") if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert len(chunks) == 2 and chunks[0]["choices"][0]["finish_reason"] is None  # the prefill's token
+        assert chunks[-1]["error"]["type"] == "server_error"
+        assert client.get("/health").status_code == 503
+
+
+def test_api_key_guards_v1_only(llm):
+    app = create_app(llm, served_model_name="guarded", api_key="sk-right")
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "sk-right"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sk-right"}).status_code == 200
+        for open_path in ("/health", "/metrics", "/version"):
+            assert client.get(open_path).status_code == 200
+
+
+class CountingLLM:
+    """A real LLM whose stream cancels the job right after step `cancel_at` and counts the steps the
+    worker asks for, to show that nothing runs after the round in progress."""
+
+    def __init__(self, llm: LLM, cancel_at: int):
+        self.llm, self.cancel_at = llm, cancel_at
+        self.job: Job | None = None
+        self.steps = 0
+        self.closed = False
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def stream(self, prompt, params, tree_budget=None):
+        try:
+            for event in self.llm.stream(prompt, params, tree_budget):
+                self.steps += 1
+                if self.steps == self.cancel_at:
+                    self.job.cancel()  # the client hangs up while this round runs
+                yield event
+        finally:
+            self.closed = True
+
+
+def test_cancelled_job_stops_within_one_round(llm):
+    counting = CountingLLM(llm, cancel_at=3)
+    metrics = ServerMetrics("m")
+    worker = EngineWorker(metrics)
+    worker.attach(counting)
+
+    async def run():
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        job = Job(llm.prompt_ids("def f(x):"), params, "ar", asyncio.get_running_loop())
+        counting.job = job
+        worker.submit(job)
+        await asyncio.to_thread(worker.stop, 60)  # the thread ends once the job has stopped
+        await asyncio.sleep(0)  # deliver the events it scheduled on this loop
+        events = []
+        while not job.events.empty():
+            events.append(job.events.get_nowait())
+        return events
+
+    events = asyncio.run(run())
+    assert counting.steps == 3 and counting.closed
+    assert len(events) == 3 and all(e.result is None for e in events)
+    values = metric_values(metrics.render()[0].decode())
+    assert metric(values, "vllm:request_success_total", finished_reason="abort") == 1
+    assert metric(values, "vllm:generation_tokens_total") == sum(len(e.token_ids) for e in events) == 3
+
+
+def test_request_defaults_follow_openai():
+    completion = CompletionRequest.model_validate({"prompt": [[5, 6]]})
+    params = completion.sampling_params(default_max_tokens=16)
+    assert completion.single_prompt() == [5, 6]
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (16, 1.0, 1.0, 0)
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_k": -1,
+                                                 "max_tokens": 9, "max_completion_tokens": 5, "stop": "END"})
+    params = chat.sampling_params(default_max_tokens=100)
+    assert (params.max_tokens, params.top_k, params.stop) == (5, 0, ["END"])
+    neutral = {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+               "logit_bias": {}, "echo": False, "logprobs": 0, "best_of": 1, "user": "u", "max_tokens": 3.0}
+    assert CompletionRequest.model_validate(neutral).sampling_params(16).max_tokens == 3
+
+
+def test_validation_errors_name_the_field():
+    body = validation_error_body([{"type": "greater_than_equal", "loc": ("body", "messages", 0, "role"),
+                                   "msg": "bad role", "input": "wizard"}])
+    assert body["error"]["param"] == "messages.0.role" and "wizard" in body["error"]["message"]
+    union = validation_error_body([{"type": "string_type", "loc": ("body", "stop", "list[str]", 0),
+                                    "msg": "Input should be a valid string", "input": 1}])
+    assert union["error"]["param"] == "stop.0"
+    assert validation_error_body([{"type": "extra_forbidden", "loc": ("body", "tools"), "msg": "x", "input": []}])[
+        "error"]["code"] == "unsupported_parameter"
+
+
+def test_drafted_tokens_and_round_counters():
+    assert drafted_tokens_per_round("ar", 16, 1000) == 0
+    assert drafted_tokens_per_round("chain", 16, 1000) == 15
+    assert drafted_tokens_per_round(64, 16, 1000) == 64
+    assert drafted_tokens_per_round(4096, 4, 2) == 6  # capped by the prefixes a block can hold
+    metrics = ServerMetrics("m")
+    metrics.record_rounds([1, 3, 2], drafted_per_round=4)
+    metrics.record_rounds([5], drafted_per_round=0)  # "ar": no drafts
+    values = metric_values(metrics.render()[0].decode())
+    assert metric(values, "vllm:spec_decode_num_drafts_total") == 3
+    assert metric(values, "vllm:spec_decode_num_draft_tokens_total") == 12
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_total") == 3
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert metric(values, "ddtree:acceptance_length_count") == 3
+
+
+def test_auto_tree_budget_is_measured_and_reported(demo_pair, monkeypatch):
+    import ddtree.bench.tune as tune
+    from ddtree.server.main import _load
+
+    calls = []
+
+    def fake_resolve(llm, draft_dir, log):
+        calls.append(draft_dir)
+        log("measured")
+        return 7
+
+    monkeypatch.setattr(tune, "resolve_auto_budget", fake_resolve)
+    args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
+                              max_model_len=96)
+    loaded = _load(args, "auto")
+    assert calls == [demo_pair[1]] and loaded.default_budget == 7
+    app = create_app(loaded, tree_budget_mode="auto")
+    with TestClient(app) as client:
+        health = client.get("/health").json()
+        assert health["tree_budget"] == "7" and health["tree_budget_mode"] == "auto"
+        assert metric(metric_values(client.get("/metrics").text), "ddtree:tree_budget") == 7
+
+
+def test_serve_flags_and_environment(monkeypatch):
+    from ddtree.cli import build_parser
+
+    monkeypatch.setenv("DDTREE_PORT", "9123")
+    monkeypatch.setenv("DDTREE_TREE_BUDGET", "chain")
+    monkeypatch.setenv("DDTREE_API_KEY", "sk-env")
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0"])
+    assert (args.port, args.tree_budget, args.api_key, args.host) == (9123, "chain", "sk-env", "0.0.0.0")
+    args = build_parser().parse_args(["serve", "--port", "1", "--tree-budget", "auto"])
+    assert (args.port, args.tree_budget) == (1, "auto")
