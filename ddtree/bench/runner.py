@@ -1,0 +1,357 @@
+"""Send the benchmark's requests and time them: to a live OpenAI-compatible endpoint
+(`LiveBackend`, streaming over HTTP) or to the in-process engine (`OfflineBackend`, through
+`ddtree.llm.LLM.stream`, the call the server makes).
+
+`run_sweep` runs every (concurrency, tree budget) pair in turn: `warmup` untimed requests, then
+all prompts with at most `concurrency` requests in flight, and summarizes each run into a row.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from ddtree.bench.datasets import BenchPrompt
+from ddtree.bench.report import AcceptanceCounts, RequestOutput, summarize
+from ddtree.config import DDTreeError, SamplingParams, TreeBudget
+
+DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
+ACCEPTED_COUNTER = "vllm:spec_decode_num_accepted_tokens"
+
+
+@dataclass
+class SweepSettings:
+    tree_budgets: list[TreeBudget]
+    concurrencies: list[int] = field(default_factory=lambda: [1])
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    warmup: int = 1
+    ignore_eos: bool = False
+
+    def params(self, index: int) -> SamplingParams:
+        """Request `index`'s sampling settings; at T > 0 each prompt gets its own fixed seed."""
+        seed = self.seed + index if self.temperature > 0 else None
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=seed, ignore_eos=self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Sweep:
+    rows: list[dict]
+    texts: list[dict[int, str]]  # per row: prompt index -> output text (successful requests)
+
+
+# -- in-process engine ----------------------------------------------------------------------------
+
+
+class OfflineBackend:
+    """The in-process engine. It decodes one request at a time, so with concurrency > 1 requests
+    wait their turn and that wait counts in their latency, as it does behind a server."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.lock = threading.Lock()
+        self.prompt_ids: dict[int, list[int]] = {}
+
+    def describe(self) -> dict:
+        return {"mode": "offline", "target": str(self.llm.target_path), "draft": str(self.llm.draft_path),
+                "dtype": str(self.llm.dtype).replace("torch.", ""), "max_model_len": self.llm.max_model_len}
+
+    def encode(self, prompt: BenchPrompt) -> list[int]:
+        if prompt.is_chat:
+            return self.llm.apply_chat_template(list(prompt.messages))
+        return self.llm.prompt_ids(prompt.prompt)
+
+    def check(self, prompts: list[BenchPrompt], settings: SweepSettings) -> None:
+        """Tokenize every prompt and validate every request before any is run."""
+        for index, prompt in enumerate(prompts):
+            try:
+                ids = self.encode(prompt)
+                for budget in settings.tree_budgets:
+                    self.llm.check_request(ids, settings.params(index), budget)
+            except DDTreeError as exc:
+                raise DDTreeError(f"prompt {prompt.id!r}: {exc}", exc.param) from None
+            self.prompt_ids[index] = ids
+
+    def generate_one(self, index: int, budget: TreeBudget, params: SamplingParams, sent_at: float,
+                     deadline: float | None = None) -> RequestOutput:
+        """Run one request (prompt ids from `check`); times count from `sent_at` (time.perf_counter()).
+        Past `deadline` (a perf_counter time) the request stops after the step in progress and fails."""
+        out = RequestOutput(index, prompt_tokens=len(self.prompt_ids[index]))
+        with self.lock:
+            last = None
+            result = None
+            stream = self.llm.stream(self.prompt_ids[index], params, budget)
+            try:
+                for event in stream:
+                    now = time.perf_counter()
+                    if event.token_ids:  # one engine step: the prefill's token, then each round's
+                        if last is None:
+                            out.ttft_s = now - sent_at
+                        else:
+                            out.itl_s.append(now - last)
+                        last = now
+                    result = event.result
+                    if result is None and deadline is not None and now > deadline:
+                        out.error = "stopped at the deadline"
+                        return out
+            finally:
+                stream.close()
+        out.e2el_s = time.perf_counter() - sent_at
+        out.text = result.text
+        out.output_tokens = len(result.token_ids)
+        out.decode_rounds = result.stats.decode_rounds
+        out.accepted_tokens = sum(result.stats.acceptance_lengths)
+        out.success = True
+        return out
+
+    async def send(self, prompt: BenchPrompt, index: int, budget: TreeBudget, params: SamplingParams) -> RequestOutput:
+        sent_at = time.perf_counter()
+        return await asyncio.to_thread(self.generate_one, index, budget, params, sent_at)
+
+    async def counters(self) -> AcceptanceCounts | None:
+        return None  # every request reports its own rounds
+
+    async def aclose(self) -> None:
+        pass
+
+
+# -- live endpoint --------------------------------------------------------------------------------
+
+
+def normalize_base_url(url: str) -> str:
+    """'http://h:8000', 'http://h:8000/' and 'http://h:8000/v1' all -> 'http://h:8000'."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise DDTreeError(f"--base-url must start with http:// or https://, got {url!r}", "base_url")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict):
+            err = data.get("error", data.get("detail", data))
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            return str(err)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    return body[:300].decode("utf-8", "replace")
+
+
+def parse_counters(text: str) -> AcceptanceCounts | None:
+    """Sum vLLM's spec-decode draft and accepted-token counters over all label sets; None without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {DRAFTS_COUNTER: 0.0, ACCEPTED_COUNTER: 0.0}
+    seen = False
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for name in totals:
+                    if sample.name in (name, name + "_total"):
+                        totals[name] += sample.value
+                        seen = True
+    except ValueError:
+        return None
+    return AcceptanceCounts(totals[DRAFTS_COUNTER], totals[ACCEPTED_COUNTER]) if seen else None
+
+
+class LiveBackend:
+    """A running server: ddtree's (which takes `tree_budget` per request and reports its `ddtree`
+    statistics) or any OpenAI-compatible one (acceptance then comes from its /metrics counters)."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout_s: float = 600.0):
+        self.base_url = normalize_base_url(base_url)
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                        timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.server_info: dict = {}
+        self.usage_missing = False
+
+    async def open(self) -> None:
+        """Reach the server, pick the model (the first of /v1/models unless given) and read /version."""
+        try:
+            resp = await self.client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise DDTreeError(f"cannot reach {self.base_url}: {exc}", "base_url") from None
+        if resp.status_code != 200:
+            raise DDTreeError(f"{self.base_url}/v1/models answered {resp.status_code}: {_error_message(resp.content)}",
+                              "base_url")
+        models = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+        if self.model is None:
+            if not models:
+                raise DDTreeError(f"{self.base_url}/v1/models lists no model: pass --model", "model")
+            self.model = models[0]
+        for path in ("/version", "/health"):
+            try:
+                r = await self.client.get(path)
+                if r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json"):
+                    self.server_info[path.strip("/")] = r.json()
+            except (httpx.HTTPError, json.JSONDecodeError):
+                pass
+
+    def describe(self) -> dict:
+        return {"mode": "live", "base_url": self.base_url, "model": self.model, **self.server_info}
+
+    def check(self, prompts: list[BenchPrompt], settings: SweepSettings) -> None:
+        for index in range(len(prompts)):
+            settings.params(index)  # validates the sampling settings; the server checks the rest
+
+    def _body(self, prompt: BenchPrompt, budget: TreeBudget, params: SamplingParams) -> dict:
+        body = {"model": self.model, "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "stream": True, "stream_options": {"include_usage": True}, "tree_budget": budget}
+        if params.top_p != 1.0:
+            body["top_p"] = params.top_p
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        if prompt.is_chat:
+            body["messages"] = list(prompt.messages)
+        else:
+            body["prompt"] = prompt.prompt
+        return body
+
+    async def send(self, prompt: BenchPrompt, index: int, budget: TreeBudget, params: SamplingParams) -> RequestOutput:
+        out = RequestOutput(index)
+        url = "/v1/chat/completions" if prompt.is_chat else "/v1/completions"
+        pieces: list[str] = []
+        chunks = 0
+        usage = None
+        sent_at = time.perf_counter()
+        last = None
+        try:
+            async with self.client.stream("POST", url, json=self._body(prompt, budget, params)) as resp:
+                if resp.status_code != 200:
+                    out.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
+                    return out
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        out.error = _error_message(data.encode())
+                        return out
+                    text = self._chunk_text(chunk, prompt.is_chat)
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            out.ttft_s = now - sent_at
+                        else:
+                            out.itl_s.append(now - last)
+                        last = now
+                        pieces.append(text)
+                        chunks += 1
+                    usage = chunk.get("usage") or usage
+                    if isinstance(chunk.get("ddtree"), dict):
+                        self._take_stats(out, chunk["ddtree"])
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+        out.e2el_s = time.perf_counter() - sent_at
+        if last is None:
+            out.ttft_s = out.e2el_s
+        out.text = "".join(pieces)
+        if usage:
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            out.output_tokens = int(usage.get("completion_tokens") or 0)
+        else:
+            self.usage_missing = True
+            out.output_tokens = chunks
+        out.success = True
+        return out
+
+    @staticmethod
+    def _chunk_text(chunk: dict, chat: bool) -> str:
+        choices = chunk.get("choices") or []
+        if not choices:
+            return ""
+        if chat:
+            return (choices[0].get("delta") or {}).get("content") or ""
+        return choices[0].get("text") or ""
+
+    @staticmethod
+    def _take_stats(out: RequestOutput, stats: dict) -> None:
+        rounds = stats.get("decode_rounds")
+        if not isinstance(rounds, int):
+            return
+        out.decode_rounds = rounds
+        lengths = stats.get("acceptance_lengths")
+        if isinstance(lengths, list):
+            out.accepted_tokens = int(sum(lengths))
+        elif isinstance(stats.get("mean_acceptance_length"), (int, float)):
+            out.accepted_tokens = round(stats["mean_acceptance_length"] * rounds)
+
+    async def counters(self) -> AcceptanceCounts | None:
+        try:
+            resp = await self.client.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        return parse_counters(resp.text) if resp.status_code == 200 else None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+
+
+def _delta(before: AcceptanceCounts | None, after: AcceptanceCounts | None) -> AcceptanceCounts | None:
+    if before is None or after is None:
+        return None
+    return AcceptanceCounts(after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens)
+
+
+async def run_one(backend, prompts: list[BenchPrompt], budget: TreeBudget, concurrency: int,
+                  settings: SweepSettings, bar: tqdm | None = None) -> tuple[dict, dict[int, str]]:
+    """Warm up, then run every prompt at `budget` with at most `concurrency` in flight -> (row, texts)."""
+    for w in range(settings.warmup):
+        await backend.send(prompts[w % len(prompts)], w % len(prompts), budget, settings.params(w % len(prompts)))
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, prompt: BenchPrompt) -> RequestOutput:
+        async with gate:
+            out = await backend.send(prompt, index, budget, settings.params(index))
+        if bar is not None:
+            bar.update(1)
+        return out
+
+    before = await backend.counters()
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    duration = time.perf_counter() - start
+    after = await backend.counters()
+    row = summarize(list(outputs), duration, budget, concurrency, _delta(before, after))
+    return row, {o.index: o.text for o in outputs if o.success}
+
+
+async def run_sweep(backend, prompts: list[BenchPrompt], settings: SweepSettings, progress: bool = True) -> Sweep:
+    backend.check(prompts, settings)
+    total = len(settings.concurrencies) * len(settings.tree_budgets) * len(prompts)
+    rows, texts = [], []
+    with tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True) as bar:
+        for concurrency in settings.concurrencies:
+            for budget in settings.tree_budgets:
+                bar.set_description(f"budget {budget} x{concurrency}")
+                row, row_texts = await run_one(backend, prompts, budget, concurrency, settings, bar)
+                rows.append(row)
+                texts.append(row_texts)
+    return Sweep(rows, texts)

@@ -1,0 +1,243 @@
+"""Choose the tree budget by measurement on this machine.
+
+`ddtree tune` runs an offline sweep and writes the winner per concurrency level to a small JSON
+file, by default `<draft_dir>/ddtree_tune.json`. `resolve_auto_budget` (behind
+`ddtree serve --tree-budget auto`) reads that file when it was made on this device for this
+target/drafter pair, and otherwise runs a calibration of at most `time_limit_s` seconds.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+from ddtree.bench.datasets import stdlib_prompts
+from ddtree.bench.machine import device_name, git_revision, model_fingerprint
+from ddtree.bench.report import median, recommend, recommendation_line
+from ddtree.bench.runner import OfflineBackend, SweepSettings
+from ddtree.config import AR, CHAIN, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
+
+TUNE_FILE = "ddtree_tune.json"
+TUNE_FORMAT = "ddtree-tune/1"
+CALIBRATION_BUDGETS: list[TreeBudget] = [AR, CHAIN, 16, 32, 64, 128, 256, 512, 1024]
+CALIBRATION_MAX_TOKENS = 64
+CALIBRATION_WARMUP_TOKENS = 8
+ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise
+CALIBRATION_PROMPT_TOKENS = 32  # length of the synthetic prompts used when the target has no tokenizer
+
+
+def tune_file_path(draft_dir: str | Path) -> Path:
+    return Path(draft_dir) / TUNE_FILE
+
+
+def identity(llm) -> dict:
+    """What a tune result is only valid for: the device, the dtype and the exact model pair."""
+    return {
+        "device": device_name(llm.device),
+        "dtype": str(llm.dtype).replace("torch.", ""),
+        "target_fingerprint": model_fingerprint(llm.target_path),
+        "draft_fingerprint": model_fingerprint(llm.draft_path),
+    }
+
+
+def tune_record(llm, report: dict, settings: SweepSettings, dataset: str, num_prompts: int) -> dict:
+    """The tune file's contents from a finished offline sweep (`report` from `report.finish`)."""
+    tokens_per_second: dict[str, dict[str, float]] = {}
+    for row in report["results"]:
+        level = tokens_per_second.setdefault(str(row["concurrency"]), {})
+        level[str(row["tree_budget"])] = row["median_tokens_per_second"]
+    return {
+        "format": TUNE_FORMAT,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **identity(llm),
+        "target": llm.target_name,
+        "draft": llm.draft_name,
+        "git_revision": git_revision(),
+        "settings": {"dataset": dataset, "num_prompts": num_prompts, "max_tokens": settings.max_tokens,
+                     "temperature": settings.temperature, "tree_budgets": settings.tree_budgets,
+                     "concurrency": settings.concurrencies, "warmup": settings.warmup},
+        "recommendations": report["recommendations"],
+        "median_tokens_per_second": tokens_per_second,
+        "parity_ok": report["parity_ok"],
+    }
+
+
+def write_tune_file(record: dict, path: str | Path) -> Path:
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        raise DDTreeError(f"cannot write the tune file {path}: {exc.strerror or exc} (pass --output)",
+                          "output") from None
+    return path
+
+
+def read_tune_file(path: str | Path) -> dict:
+    """Load and check a tune file; DDTreeError names what is wrong with it."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except OSError as exc:
+        raise DDTreeError(f"cannot read the tune file {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DDTreeError(f"tune file {path} is not valid JSON") from None
+    if not isinstance(record, dict) or record.get("format") != TUNE_FORMAT:
+        raise DDTreeError(f"tune file {path} is not a {TUNE_FORMAT} file")
+    picks = record.get("recommendations")
+    if not isinstance(picks, list) or not picks:
+        raise DDTreeError(f"tune file {path} holds no recommendation")
+    for pick in picks:
+        if not isinstance(pick, dict) or not isinstance(pick.get("concurrency"), int):
+            raise DDTreeError(f"tune file {path}: a recommendation lacks its concurrency")
+        pick["tree_budget"] = parse_tree_budget(pick.get("tree_budget"))
+    return record
+
+
+def mismatch(record: dict, llm) -> str | None:
+    """Why a tune file does not apply to `llm` (None when it does)."""
+    mine = identity(llm)
+    for key, value in mine.items():
+        if record.get(key) != value:
+            return f"{key.replace('_', ' ')} differs (file: {record.get(key)!r}, here: {value!r})"
+    return None
+
+
+def pick_for_concurrency(record: dict, concurrency: int = 1) -> dict:
+    """The recommendation measured at `concurrency`, else at the nearest level below it, else the lowest."""
+    picks = sorted(record["recommendations"], key=lambda p: p["concurrency"])
+    below = [p for p in picks if p["concurrency"] <= concurrency]
+    return below[-1] if below else picks[0]
+
+
+# -- calibration ------------------------------------------------------------------------------------
+
+
+def _calibration_prompts(llm, max_tokens: int) -> list[list[int]]:
+    """Token ids of the stdlib prompts cut to fit the context; synthetic ids if there is no tokenizer."""
+    room = llm.max_model_len - max_tokens
+    if llm.tokenizer is None:
+        rng = random.Random(0)
+        length = min(CALIBRATION_PROMPT_TOKENS, room)
+        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(16)]
+    return [llm.encode(p.prompt)[:room] for p in stdlib_prompts() if p.prompt]
+
+
+def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = print,
+              budgets: list[TreeBudget] | None = None) -> tuple[TreeBudget | None, dict]:
+    """Measure budgets on this machine within `time_limit_s` seconds -> (the budget with the best
+    median tokens/s, or None if nothing was measured; a summary).
+
+    First an ascending pass: each budget (ar, chain, then trees from small to large) runs one short
+    untimed request (graph capture, caches) and one timed one; the trees stop growing once one runs
+    below half the best tokens/s so far, as larger trees only cost more per round. Then the time left
+    goes to more prompts for the budgets still in the race, the order rotating so that slow drifts hit
+    all alike; after each turn a budget below half the leader's median (two samples or more) drops
+    out. A request still running at the deadline stops after its round in progress and is not counted.
+    """
+    budgets = sorted(budgets or CALIBRATION_BUDGETS, key=lambda b: (isinstance(b, int), b if isinstance(b, int) else 0))
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    max_tokens = max(1, min(CALIBRATION_MAX_TOKENS, llm.max_model_len // 4))
+    params = SamplingParams(max_tokens=max_tokens)
+    warmup_params = SamplingParams(max_tokens=min(CALIBRATION_WARMUP_TOKENS, max_tokens))
+    backend = OfflineBackend(llm)
+    backend.prompt_ids = dict(enumerate(p for p in _calibration_prompts(llm, max_tokens) if p))
+    n_prompts = len(backend.prompt_ids)
+    samples: dict[TreeBudget, list[float]] = {b: [] for b in budgets}
+    skipped: dict[str, str] = {}
+
+    def timed(index: int, budget: TreeBudget) -> bool:
+        out = backend.generate_one(index % n_prompts, budget, params, time.perf_counter(), deadline)
+        if out.success:
+            samples[budget].append(out.tokens_per_second)
+        return out.success
+
+    racing: list[TreeBudget] = []
+    for k, budget in enumerate(budgets):
+        if time.perf_counter() >= deadline:
+            skipped.update({str(b): "out of time" for b in budgets[k:]})
+            break
+        warm = backend.generate_one(0, budget, warmup_params, time.perf_counter(), deadline)
+        if not (warm.success and timed(0, budget)):
+            skipped.update({str(b): "out of time" for b in budgets[k:]})
+            break
+        racing.append(budget)
+        best = max(median(samples[b]) for b in racing)
+        if isinstance(budget, int) and samples[budget][0] < ELIMINATE_BELOW * best:
+            skipped.update({str(b): f"tree {budget} already ran below half the best" for b in budgets[k + 1:]})
+            break
+    turn = 1
+    while racing and time.perf_counter() < deadline:
+        shift = turn % len(racing)
+        for budget in racing[shift:] + racing[:shift]:
+            if time.perf_counter() >= deadline:
+                break
+            timed(turn, budget)
+        racing = _survivors(racing, samples)
+        turn += 1
+    rows = [{"tree_budget": b, "concurrency": 1, "completed": len(s), "median_tokens_per_second": median(s)}
+            for b, s in samples.items() if s]
+    picks = recommend(rows)
+    summary = {"seconds": time.perf_counter() - start, "max_tokens": max_tokens,
+               "median_tokens_per_second": {str(r["tree_budget"]): r["median_tokens_per_second"] for r in rows},
+               "samples": {str(r["tree_budget"]): r["completed"] for r in rows},
+               "skipped": skipped,
+               "recommendation": picks[0] if picks else None}
+    return (picks[0]["tree_budget"] if picks else None), summary
+
+
+def _survivors(racing: list[TreeBudget], samples: dict[TreeBudget, list[float]]) -> list[TreeBudget]:
+    """Budgets still worth measuring: those without two samples yet, or within half the leader's median."""
+    measured = {b: median(samples[b]) for b in racing if len(samples[b]) >= 2}
+    if not measured:
+        return racing
+    leader = max(measured.values())
+    return [b for b in racing if b not in measured or measured[b] >= ELIMINATE_BELOW * leader]
+
+
+def _by_reason(skipped: dict[str, str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for budget, why in skipped.items():
+        grouped.setdefault(why, []).append(budget)
+    return grouped
+
+
+def resolve_auto_budget(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
+                        time_limit_s: float = 60.0, concurrency: int = 1) -> TreeBudget:
+    """The tree budget for `--tree-budget auto`: from `<draft_dir>/ddtree_tune.json` when it was
+    measured on this device for this model pair, else from a calibration of at most `time_limit_s`."""
+    if llm.drafter is None:
+        log("tree budget auto: no drafter loaded, using 'ar'")
+        return AR
+    path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
+    if path.is_file():
+        try:
+            record = read_tune_file(path)
+            reason = mismatch(record, llm)
+        except DDTreeError as exc:
+            record, reason = None, str(exc)
+        if reason is None:
+            pick = pick_for_concurrency(record, concurrency)
+            log(f"tree budget auto: {pick['tree_budget']} from {path} (tuned {record.get('created', '?')}); "
+                + recommendation_line(pick))
+            return pick["tree_budget"]
+        log(f"tree budget auto: ignoring {path}: {reason}")
+    else:
+        log(f"tree budget auto: no tune file at {path} (run `ddtree tune` to make one)")
+    log(f"tree budget auto: calibrating for at most {time_limit_s:g} s")
+    budget, summary = calibrate(llm, time_limit_s, log)
+    measured = ", ".join(f"{b}: {tps:.1f}" for b, tps in summary["median_tokens_per_second"].items())
+    log(f"tree budget auto: calibration took {summary['seconds']:.1f} s; median tok/s {measured or 'none'}"
+        + "".join(f"; not measured: {', '.join(bs)} ({why})" for why, bs in _by_reason(summary["skipped"]).items()))
+    if budget is None:
+        log(f"tree budget auto: the calibration measured nothing in {time_limit_s:g} s; "
+            f"using the default budget {llm.default_budget}")
+        return llm.default_budget
+    log("tree budget auto: " + recommendation_line(summary["recommendation"]))
+    return budget

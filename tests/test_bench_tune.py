@@ -1,0 +1,137 @@
+"""`ddtree tune` and `resolve_auto_budget` (behind `ddtree serve --tree-budget auto`)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ddtree.bench.report import RequestOutput
+from ddtree.bench.runner import OfflineBackend
+from ddtree.bench.tune import (
+    CALIBRATION_BUDGETS,
+    TUNE_FILE,
+    calibrate,
+    pick_for_concurrency,
+    read_tune_file,
+    resolve_auto_budget,
+    write_tune_file,
+)
+from ddtree.cli import main
+from ddtree.config import DDTreeError
+from ddtree.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def drafter_copy(demo_pair, tmp_path_factory):
+    """A private copy of the drafter, so the tune file lands beside it and nowhere shared."""
+    copy = tmp_path_factory.mktemp("tune") / "drafter"
+    shutil.copytree(demo_pair[1], copy, ignore=shutil.ignore_patterns(TUNE_FILE))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def llm(demo_pair, drafter_copy):
+    return LLM(demo_pair[0], drafter_copy, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tuned(demo_pair, drafter_copy):
+    """Run `ddtree tune` once with its default output (beside the drafter)."""
+    code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter_copy), "--device", "cpu",
+                 "--tree-budgets", "ar,chain,8", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "1,2",
+                 "--no-progress"])
+    assert code == 0
+    return drafter_copy / TUNE_FILE
+
+
+def test_tune_writes_recommendations_beside_the_drafter(tuned):
+    record = read_tune_file(tuned)
+    assert [p["concurrency"] for p in record["recommendations"]] == [1, 2]
+    for pick in record["recommendations"]:
+        measured = record["median_tokens_per_second"][str(pick["concurrency"])]
+        assert set(measured) == {"ar", "chain", "8"}
+        assert measured[str(pick["tree_budget"])] == max(measured.values())
+    assert record["device"].startswith("cpu") and record["dtype"] == "float32"
+    assert len(record["target_fingerprint"]) == 16 and record["target_fingerprint"] != record["draft_fingerprint"]
+
+
+def test_auto_uses_a_matching_tune_file(llm, tuned, drafter_copy):
+    lines: list[str] = []
+    budget = resolve_auto_budget(llm, drafter_copy, log=lines.append, time_limit_s=0)
+    assert budget == read_tune_file(tuned)["recommendations"][0]["tree_budget"]
+    assert any(str(tuned) in line for line in lines) and not any("calibrat" in line for line in lines)
+    at_two = resolve_auto_budget(llm, drafter_copy, log=lines.append, time_limit_s=0, concurrency=5)
+    assert at_two == read_tune_file(tuned)["recommendations"][1]["tree_budget"]
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda r: r.update(device="NVIDIA H200"), "device differs"),
+    (lambda r: r.update(draft_fingerprint="0" * 16), "draft fingerprint differs"),
+    (lambda r: r.update(format="something else"), "is not a ddtree-tune/1 file"),
+])
+def test_auto_ignores_a_file_for_another_device_or_pair(llm, tuned, tmp_path, change, reason):
+    record = json.loads(tuned.read_text())
+    change(record)
+    (tmp_path / TUNE_FILE).write_text(json.dumps(record))
+    lines: list[str] = []
+    budget = resolve_auto_budget(llm, tmp_path, log=lines.append, time_limit_s=0)
+    assert any("ignoring" in line and reason in line for line in lines)
+    assert any("measured nothing" in line for line in lines)  # a zero time limit leaves no time to measure
+    assert budget == llm.default_budget
+
+
+def test_auto_calibrates_without_a_file(llm, tmp_path):
+    lines: list[str] = []
+    budget = resolve_auto_budget(llm, tmp_path, log=lines.append, time_limit_s=3)
+    assert any("no tune file" in line for line in lines)
+    assert any(line.startswith("tree budget auto: calibration took") for line in lines)
+    if any("measured nothing" in line for line in lines):  # a heavily loaded machine
+        assert budget == llm.default_budget
+    else:
+        assert budget in CALIBRATION_BUDGETS
+        assert any(line.startswith(f"tree budget auto: recommended tree budget at concurrency 1: {budget} ")
+                   for line in lines)
+
+
+def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
+    """With made-up speeds: the ascending pass stops after the first tree below half the best, the
+    race drops budgets below half the leader, and the winner is the fastest."""
+    speed = {"ar": 100.0, "chain": 150.0, 16: 200.0, 32: 260.0, 64: 240.0, 128: 120.0}
+    runs: list = []
+
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        runs.append(budget)
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens,
+                             e2el_s=params.max_tokens / speed[budget])
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    budget, summary = calibrate(llm, time_limit_s=0.3)
+    assert budget == 32
+    assert summary["skipped"] == {str(b): "tree 128 already ran below half the best" for b in (256, 512, 1024)}
+    assert set(summary["median_tokens_per_second"]) == {"ar", "chain", "16", "32", "64", "128"}
+    assert summary["samples"]["128"] == 2 and summary["samples"]["ar"] == 2  # both dropped after two samples
+    assert summary["samples"]["32"] > 2 and summary["samples"]["chain"] > 2
+    assert not set(runs) & {256, 512, 1024}
+    assert summary["recommendation"]["margin_over_ar"] == pytest.approx(2.6)
+
+
+def test_without_a_drafter_auto_is_ar(demo_pair):
+    plain = LLM(demo_pair[0], device="cpu", use_draft=False)
+    assert resolve_auto_budget(plain, None, log=lambda line: None) == "ar"
+
+
+def test_pick_for_concurrency_and_bad_files(tmp_path):
+    record = {"recommendations": [{"concurrency": 1, "tree_budget": 64}, {"concurrency": 8, "tree_budget": 16}]}
+    assert [pick_for_concurrency(record, c)["tree_budget"] for c in (1, 4, 8, 32)] == [64, 64, 16, 16]
+    path = tmp_path / TUNE_FILE
+    path.write_text("{not json")
+    with pytest.raises(DDTreeError, match="not valid JSON"):
+        read_tune_file(path)
+    write_tune_file({"format": "ddtree-tune/1", "recommendations": [{"concurrency": 1, "tree_budget": "many"}]}, path)
+    with pytest.raises(DDTreeError, match="tree budget must be"):
+        read_tune_file(path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DDTreeError, match="cannot write the tune file"):
+        write_tune_file({}, blocker / "sub" / TUNE_FILE)
