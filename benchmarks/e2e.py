@@ -14,12 +14,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from ddtree.bench.machine import git_revision
 from ddtree.bench.datasets import load_prompts
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
@@ -78,7 +78,7 @@ def main() -> None:
         "benchmark": "e2e",
         "command": "python benchmarks/e2e.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
-        "git_revision": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "git_revision": git_revision(),
         "models": {"target": str(graphs.target_path), "draft": str(graphs.draft_path)},
         "dtype": args.dtype, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
         "graph_capture_seconds": graphs.engine.capture_seconds,

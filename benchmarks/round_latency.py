@@ -14,12 +14,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from ddtree.bench.machine import git_revision
 from ddtree.config import AR, CHAIN, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build_target_layer_ids
@@ -182,7 +182,7 @@ def main() -> None:
         "benchmark": "round_latency",
         "command": "python benchmarks/round_latency.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
-        "git_revision": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "git_revision": git_revision(),
         "ceilings": ceilings,
         "capture_seconds": engine.capture_seconds,
         "shape": "Qwen3-8B target (random bf16), 5-layer DFlash drafter, block 16",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from ddtree.config import DDTreeError
@@ -80,20 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     gen.set_defaults(func=cmd_generate)
 
-    for module in ("ddtree.server.main", "ddtree.bench.cli", "ddtree.train.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError as exc:
-            if exc.name and exc.name.startswith("ddtree"):
-                continue
-            raise
-        mod.register(sub)
+    # Each registers its subcommands; none imports its heavy dependencies until it runs.
+    from ddtree.bench import cli as bench_cli
+    from ddtree.server import main as server_main
+    from ddtree.train import cli as train_cli
+
+    for module in (server_main, bench_cli, train_cli):
+        module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The exact command, for reports and model cards (argv may be given in-process).
+    args.command_line = "ddtree " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except DDTreeError as exc:

@@ -91,7 +91,7 @@ def effective_command(args: argparse.Namespace, name: str) -> str:
     """The command line that reproduces this run, every setting spelled out."""
     words = ["ddtree", name]
     for key, value in sorted(vars(args).items()):
-        if key in ("func", "command", "api_key") or value is None or value is False:
+        if key in ("func", "command", "command_line", "api_key") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:

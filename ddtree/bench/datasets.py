@@ -5,8 +5,8 @@
     load_prompts("my_prompts.jsonl", 100)      # one JSON object a line with "prompt" or "messages"
 
 The stdlib set holds function openings (signature + docstring) from the Python standard library
-files that training holds out (`is_heldout_stdlib_path`, the same path-hash split as
-`ddtree.train.corpus`); `scripts/make_heldout_prompts.py` writes it.
+files that training holds out (`is_heldout_stdlib_path`, the path-hash split of
+`ddtree.heldout`); `scripts/make_heldout_prompts.py` writes it.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from importlib import resources
 from pathlib import Path
 
 from ddtree.config import DDTreeError
-from ddtree.train.corpus import is_held_out
+from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION, is_held_out
 
 BUILTIN_DATASETS = ("stdlib", "humaneval")
 STDLIB_HELDOUT_FILE = "stdlib_heldout.jsonl"
-HELD_OUT_FRACTION = 0.02  # the default --held-out-fraction of `ddtree train-target` / `train-drafter`
+HELD_OUT_FRACTION = DEFAULT_HELD_OUT_FRACTION
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 
+from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
 from ddtree.config import DDTreeError
 
 
@@ -39,7 +40,7 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, batch: int, ev
 def _corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", action="append", default=None, metavar="DIR",
                    help="folder of .py files (repeatable; default: the running Python's standard library)")
-    p.add_argument("--held-out-fraction", type=float, default=0.02,
+    p.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
                    help="fraction of files held out for evaluation, chosen by path hash (default 0.02)")
 
 

@@ -6,25 +6,19 @@ library, and the held-out files never reach the tokenizer, the target or the dra
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddtree.config import DDTreeError
+from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION, is_held_out  # noqa: F401  (the split; re-exported for callers)
 
 MAX_FILE_BYTES = 1_000_000  # skip generated giants; none of the standard library's code is near this
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
-
-
-def is_held_out(relative_path: str, fraction: float) -> bool:
-    """True for about `fraction` of all paths, chosen by the SHA-256 of the posix relative path."""
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 @dataclass
@@ -41,7 +35,7 @@ class Corpus:
         return f"{len(self.train_files)} train + {len(self.held_out_files)} held-out .py files of {names}"
 
 
-def load_corpus(roots: list[str | Path] | None = None, held_out_fraction: float = 0.02) -> Corpus:
+def load_corpus(roots: list[str | Path] | None = None, held_out_fraction: float = DEFAULT_HELD_OUT_FRACTION) -> Corpus:
     """Find the `.py` files (site-packages excluded) under `roots`, or under the standard library."""
     if not 0.0 < held_out_fraction < 1.0:
         raise DDTreeError(f"held-out fraction must be in (0, 1), got {held_out_fraction}", "held_out_fraction")

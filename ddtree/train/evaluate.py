@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.train.corpus import load_corpus, read_texts
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", required=True)
     p.add_argument("--out", required=True, help="JSON report path")
     p.add_argument("--corpus", action="append", default=None, metavar="DIR", help="default: the standard library")
-    p.add_argument("--held-out-fraction", type=float, default=0.02, help="must match training (default 0.02)")
+    p.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="must match training (default 0.02)")
     p.add_argument("--budgets", default="chain,64", help="tree budgets besides ar (default chain,64)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=128)
