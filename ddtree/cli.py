@@ -91,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse and run a subcommand; a DDTreeError becomes one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    # The exact command, for reports and model cards (argv may be given in-process).
-    args.command_line = "ddtree " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.command_line = "ddtree " + shlex.join(argv)  # the exact command, for reports and model cards
     try:
         return args.func(args)
     except DDTreeError as exc:
@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

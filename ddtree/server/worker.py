@@ -152,8 +152,8 @@ class EngineWorker:
                 job.emit(exc)
             except BaseException as exc:  # the engine itself failed
                 log.exception("engine failed while decoding a request")
+                self._die(exc)  # first, so that /health already says so when the client hears of it
                 job.emit(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-                self._die(exc)
             finally:
                 self._running = 0
                 self._update_queue_gauges()
@@ -202,12 +202,17 @@ class EngineWorker:
         with self._lock:
             self.state = DEAD
             self.error = f"{type(exc).__name__}: {exc}"
+        stopping = False
         while True:  # fail whatever is still queued
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if job is None:
+                stopping = True  # stop() raced with this death: keep its sentinel for the loop
+            else:
                 job.emit(EngineUnavailable(self.unavailable_reason()))
+        if stopping:
+            self._jobs.put(None)
         if self.on_death is not None:
             self.on_death(exc)

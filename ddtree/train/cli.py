@@ -3,11 +3,9 @@ which needs only torch, transformers, tokenizers, safetensors and tqdm)."""
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
-from ddtree.config import DDTreeError
 
 
 def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, batch: int, eval_every: int,
@@ -108,18 +106,11 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from ddtree.cli import run
+
     parser = argparse.ArgumentParser(prog="ddtree", description="ddtree training commands")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    args.command_line = "ddtree " + shlex.join(argv)
-    try:
-        return args.func(args)
-    except DDTreeError as exc:
-        print(f"ddtree: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run(parser, argv)
 
 
 if __name__ == "__main__":
