@@ -105,6 +105,7 @@ class Engine:
         self.cache = target.new_cache(slots, self.device, self.dtype)
         self.draft_cache = drafter.new_cache(slots, self.device, self.dtype) if drafter is not None else None
         self.n = torch.zeros((), dtype=torch.long, device=self.device)  # committed length
+        self._host_n = 0  # the same, known on the host after each round's sync
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # next bonus token
         self.buffers: dict[TreeBudget, RoundBuffers] = {}
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
