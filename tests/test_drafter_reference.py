@@ -18,9 +18,8 @@ from ddtree.engine import Engine
 from ddtree.models.configs import TargetConfig
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.loading import load_drafter, load_target
-from tiny_models import make_drafter, make_target, one_torch_thread, reference_draft_logprobs
+from tiny_models import make_drafter, make_target, reference_draft_logprobs
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 dflash_model = pytest.importorskip("dflash.model")
 transformers = pytest.importorskip("transformers")
 

@@ -14,9 +14,8 @@ import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.engine import Engine
-from tiny_models import make_drafter, make_target, one_torch_thread, reference_draft_logprobs
+from tiny_models import make_drafter, make_target, reference_draft_logprobs
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 transformers = pytest.importorskip("transformers")
 
 BUDGETS = ["ar", "chain", 1, 4, 16, 64, 256]

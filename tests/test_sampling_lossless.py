@@ -15,12 +15,11 @@ import torch
 
 from ddtree import LLM, SamplingParams
 from ddtree.tree import Walk, walk
-from tiny_models import make_drafter, make_target, one_torch_thread
+from tiny_models import make_drafter, make_target
 
 transformers = pytest.importorskip("transformers")
 stats = pytest.importorskip("scipy.stats")
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
 VOCAB = 6
 PROMPT = [3, 1, 4, 1, 5]

@@ -15,9 +15,8 @@ import torch
 
 from ddtree import LLM, DDTreeError, SamplingParams
 from ddtree.engine import Engine
-from tiny_models import make_pair_with_tokenizer, one_torch_thread
+from tiny_models import make_pair_with_tokenizer
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
 PROMPT_TEXT = "def fib(n):\n    return"
 FULL = 48  # tokens of the unstopped reference run

@@ -18,9 +18,8 @@ from safetensors import safe_open
 from ddtree import LLM, SamplingParams
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.loading import load_target
-from tiny_models import make_drafter, make_target, one_torch_thread
+from tiny_models import make_drafter, make_target
 
-_one_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 transformers = pytest.importorskip("transformers")
 
 REL_TOL = 1e-4

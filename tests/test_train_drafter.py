@@ -15,7 +15,7 @@ from ddtree.models.loading import load_drafter
 from ddtree.train.drafter import (FeatureTap, block_visibility, chain_acceptance, dense_attention, flex_attention_fn,
                                   position_weights, training_forward)
 from tiny_models import make_drafter, make_target
-from train_helpers import evals, losses, one_thread, run, write_corpus
+from train_helpers import evals, losses, run, write_corpus
 
 B = 8  # block size in these tests
 DATA = ["--layers", "2", "--block-size", str(B), "--prompt-len", "16", "--gen-len", "40", "--sequences", "48",
@@ -80,15 +80,14 @@ def test_training_forward_is_the_engine_drafter_block_by_block(random_drafter, k
     noise = torch.randn(2, 4 * B, hidden)
     attend = (dense_attention(anchors, context, B) if kernel == "dense"
               else flex_attention_fn(anchors, context, B, compiled=False))
-    with one_thread():
-        many = training_forward(drafter, features, noise, anchors, attend)
-        for row in range(2):
-            for j, p in enumerate(anchors[row].tolist()):
-                cache = drafter.new_cache(context + B, "cpu", torch.float32)
-                if p:
-                    drafter.append_context(features[row, :p], torch.arange(p), cache)
-                one = drafter(noise[row, j * B:(j + 1) * B], drafter.block_metas(torch.tensor(p), B, p + B), cache)
-                torch.testing.assert_close(many[row, j * B:(j + 1) * B], one, atol=2e-5, rtol=1e-4)
+    many = training_forward(drafter, features, noise, anchors, attend)
+    for row in range(2):
+        for j, p in enumerate(anchors[row].tolist()):
+            cache = drafter.new_cache(context + B, "cpu", torch.float32)
+            if p:
+                drafter.append_context(features[row, :p], torch.arange(p), cache)
+            one = drafter(noise[row, j * B:(j + 1) * B], drafter.block_metas(torch.tensor(p), B, p + B), cache)
+            torch.testing.assert_close(many[row, j * B:(j + 1) * B], one, atol=2e-5, rtol=1e-4)
 
 
 def test_training_forward_is_zlab_reference_module(random_drafter):
@@ -101,7 +100,7 @@ def test_training_forward_is_zlab_reference_module(random_drafter):
     features = torch.randn(1, context, len(drafter.config.target_layer_ids) * hidden)
     noise = torch.randn(1, 3 * B, hidden)
     anchors = torch.tensor([[5, 12, 22]])
-    with one_thread(), torch.no_grad():
+    with torch.no_grad():
         ours = training_forward(drafter, features, noise, anchors, dense_attention(anchors, context, B))
         for j, p in enumerate(anchors[0].tolist()):
             theirs = reference(position_ids=torch.arange(p + B)[None], noise_embedding=noise[:, j * B:(j + 1) * B],
@@ -146,8 +145,7 @@ def test_output_loads_in_the_engine_and_in_zlab_reference(setup):
     assert model.block_size == B and model.mask_token_id == 1 and model.target_layer_ids == [1, 1]
     llm = LLM(target, tmp / "out", device="cpu")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with one_thread():
-        outputs = {b: llm.generate("def parse(text):", params, tree_budget=b) for b in ("ar", "chain", 4)}
+    outputs = {b: llm.generate("def parse(text):", params, tree_budget=b) for b in ("ar", "chain", 4)}
     assert outputs["chain"].token_ids == outputs[4].token_ids == outputs["ar"].token_ids
     assert outputs["chain"].stats.decode_rounds > 0
 
@@ -180,8 +178,7 @@ def test_engine_chain_acceptance_equals_the_training_forward(setup):
     seen = []
     for text in ("class Reader:\n    def read(self, size=-1):\n", "def f(x):\n    return"):
         prompt = llm.encode(text)
-        with one_thread():
-            result = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True), tree_budget="chain")
+        result = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True), tree_budget="chain")
         rounds = result.stats.acceptance_lengths
         tokens = torch.tensor([prompt + result.token_ids])
         anchors, p = [], len(prompt)
@@ -192,7 +189,7 @@ def test_engine_chain_acceptance_equals_the_training_forward(setup):
         anchors_t = torch.tensor([anchors])
         block = torch.full((1, len(anchors), B), cfg.mask_token_id)
         block[0, :, 0] = tokens[0, anchors_t[0]]
-        with one_thread(), torch.no_grad():
+        with torch.no_grad():
             noise = hf.get_input_embeddings()(block.flatten(1))
             hidden = training_forward(drafter, tap(tokens), noise, anchors_t,
                                       dense_attention(anchors_t, tokens.shape[1], B))

@@ -189,15 +189,3 @@ def reference_draft_logprobs(hf_target, ref_drafter, seq: list[int], n: int) -> 
         logits = ref_drafter.compute_logits(hidden[1:], hf_target.lm_head)
     return torch.log_softmax(logits.float(), dim=-1)
 
-
-def one_torch_thread():
-    """Generator for a pytest fixture: run with one intra-op thread, then restore the setting.
-
-    Tiny models gain nothing from threads, and on a shared 2-core box OpenMP threads that wait
-    for each other make them tens of times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

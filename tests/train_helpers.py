@@ -1,12 +1,10 @@
 """Shared pieces of the training tests: a small corpus of real Python on disk, CLI runs, logs."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 from pathlib import Path
 
-import torch
 
 from ddtree.train.cli import main as train_main
 
@@ -26,20 +24,8 @@ def write_corpus(folder: Path) -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run faster, and reproducibly, on one CPU thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run(*args: str) -> int:
-    with one_thread():
-        return train_main([str(a) for a in args])
+    return train_main([str(a) for a in args])
 
 
 def losses(checkpoint_dir: Path) -> dict[int, float]:
