@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from ddtree.bench.machine import git_revision
-from ddtree.config import AR, CHAIN, SamplingParams, parse_tree_budget
+from ddtree.config import AR, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build_target_layer_ids
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.target import TargetModel
 from ddtree.models.layers import AttentionMeta, RotaryTable
-from ddtree.tree import build_chain, build_tree, context_tree_mask
+from ddtree.tree import context_tree_mask
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
@@ -121,10 +121,7 @@ def stage_times(engine: Engine, budget) -> dict:
     if budget != AR:
         out["draft_ms"] = time_graph(engine, lambda: engine._draft_logprobs(engine.root, engine.n, kv_len))
         logp = engine._draft_logprobs(engine.root, engine.n, kv_len)
-        if budget == CHAIN:
-            out["build_ms"] = time_graph(engine, lambda: build_chain(torch.argmax(logp, -1), engine.root))
-        else:
-            out["build_ms"] = time_graph(engine, lambda: build_tree(logp, engine.root, int(budget)))
+        out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logp, engine.root))
     taps = engine.feature_layers if budget != AR else None
 
     def verify():

@@ -84,7 +84,8 @@ def tree_size(budget: TreeBudget, block_size: int) -> int:
 
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
-                 use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None):
+                 use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None,
+                 fused_tree: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.max_model_len = max_model_len
@@ -111,6 +112,10 @@ class Engine:
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.back_graphs: dict[TreeBudget, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # The tree build as Triton kernels (ddtree.kernels.tree_build) where Triton and CUDA are
+        # present; `build_tree` (the same result, ~10 operators per depth) elsewhere.
+        self.fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
+        self.tree_plans: dict[int, object] = {}
         self.capture_seconds = 0.0
         # The acceptance rule; tests replace it to show that a wrong rule breaks losslessness.
         self.walk_fn: Callable[[Tree, torch.Tensor], Walk] = walk
@@ -130,16 +135,26 @@ class Engine:
         hidden = self.drafter(noise, self.drafter.block_metas(n, b, kv_len), self.draft_cache)
         return F.log_softmax(self.drafter.logits(hidden[1:], self.target.lm_head), dim=-1)
 
+    def _build(self, budget: TreeBudget, logp: torch.Tensor, root: torch.Tensor) -> None:
+        """The draft tree from log-probs [b - 1, V] into the budget's buffers (not for "ar")."""
+        bufs = self.buffers[budget]
+        plan = self.tree_plans.get(budget)
+        if budget == CHAIN:
+            bufs.store(build_chain(torch.argmax(logp, dim=-1), root))
+        elif plan is not None:
+            plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
+        else:
+            bufs.store(build_tree(logp, root, int(budget)))
+
     def _front(self, budget: TreeBudget, kv_len: int) -> torch.Tensor:
         """Draft, build and verify at the current n / root -> target logits [N, V] (float32)."""
         bufs = self.buffers[budget]
         n, root = self.n, self.root
         if budget == AR:
-            tree = single_node(root)
+            bufs.store(single_node(root))
         else:
-            logp = self._draft_logprobs(root, n, kv_len)
-            tree = build_chain(torch.argmax(logp, dim=-1), root) if budget == CHAIN else build_tree(logp, root, int(budget))
-        bufs.store(tree)
+            self._build(budget, self._draft_logprobs(root, n, kv_len), root)
+        tree = bufs.tree
         size = tree.size
         meta = AttentionMeta(n + torch.arange(size, device=self.device), kv_len,
                              context_tree_mask(n, tree.visible, kv_len))
@@ -209,11 +224,34 @@ class Engine:
         size = tree_size(budget, self.block_size)
         keep = min(size, self.block_size or 1)
         self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype)
+        if self.fused_tree and budget not in (AR, CHAIN):
+            from ddtree.kernels.tree_build import TreeBuildPlan  # imports Triton: only where it is used
+
+            plan = TreeBuildPlan(int(budget), self.block_size - 1, self.target.config.vocab_size, self.device)
+            if plan.supported:
+                self.tree_plans[budget] = plan
+            else:
+                log.info("tree budget %s: no fused tree build for this size, using build_tree", budget)
         if self.use_graphs:
             self.n.zero_()
             start = time.perf_counter()
             self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
             log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
+
+    def capture_all(self, budget: TreeBudget) -> None:
+        """prepare(budget), then capture the front graph of every KV bucket a sequence of up to
+        max_model_len tokens can reach. Call between requests: the warm-ups write scratch slots."""
+        self.prepare(budget)
+        if not self.use_graphs:
+            return
+        self.n.zero_()
+        self._host_n = 0
+        start = time.perf_counter()
+        reach = max(tree_size(budget, self.block_size), self.block_size)
+        for kv_len in range(self._bucket_len(reach), self._bucket_len(self.max_model_len - 1 + reach) + 1, self.kv_bucket):
+            if (budget, kv_len) not in self.front_graphs:
+                self.front_graphs[(budget, kv_len)] = self._capture(lambda: self._front(budget, kv_len))
+        log.info("captured the front graphs of budget=%s in %.2f s", budget, time.perf_counter() - start)
 
     # -- generation ----------------------------------------------------------------------------
 

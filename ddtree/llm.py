@@ -81,6 +81,7 @@ class LLM:
         use_draft: bool = True,
         use_graphs: bool | None = None,
         compile_layers: bool | None = None,
+        fused_tree: bool | None = None,
         kv_bucket: int | None = None,
     ):
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
@@ -111,7 +112,7 @@ class LLM:
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
         self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
-                             compile_layers=compile_layers)
+                             compile_layers=compile_layers, fused_tree=fused_tree)
 
     # -- facts the server and benchmark report -----------------------------------------------
 
@@ -174,6 +175,14 @@ class LLM:
         return budget
 
     # -- generation ---------------------------------------------------------------------------
+
+    def warmup(self, tree_budget: object = None) -> None:
+        """Allocate a budget's buffers and, on CUDA, capture all of its graphs now (otherwise a
+        graph is captured the first time a request reaches its KV-length bucket)."""
+        budget = self.default_budget if tree_budget is None else parse_tree_budget(tree_budget)
+        if budget != AR and self.drafter is None:
+            raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
+        self.engine.capture_all(budget)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""

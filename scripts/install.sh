@@ -13,6 +13,9 @@ if [[ "${1:-}" == "--test" ]]; then
   python -m pip install -q -e ".[test]"
   # z-lab's reference drafter (a test oracle only); its own pins clash with ours, so no deps.
   python -m pip install -q --no-deps "dflash==0.1.0"
+  # Triton, for the CUDA tree-build kernels' tests (on a CPU they run in Triton's interpreter);
+  # a CUDA build of PyTorch brings its own, which is kept.
+  python -c "import triton" 2>/dev/null || python -m pip install -q "triton==3.6.0"
 else
   python -m pip install -q -e .
 fi

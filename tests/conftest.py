@@ -1,9 +1,16 @@
 """Shared fixtures: model pairs on disk."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/test_tree_kernels.py). The
+# variable is read when Triton and the kernels are first imported, so it is set before anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import make_pair_with_tokenizer
 

@@ -16,7 +16,7 @@ from torch import nn
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import DrafterConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops
-from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, apply_rope, attend, logits_float32
 
 
 class DrafterAttention(nn.Module):
@@ -129,7 +129,7 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Draft logits [b, V] in float32 through the target's LM head, with the config's multiplier/softcap."""
         cfg = self.config
-        logits = lm_head(hidden).float()
+        logits = logits_float32(hidden, lm_head.weight)
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping:

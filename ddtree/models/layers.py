@@ -122,3 +122,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     bias = meta.bias(group, q.dtype)[None, None]
     out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=bias, scale=scale)  # [1, Hkv, group * N, D]
     return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
+_FLOAT32_OUT_MM: dict[torch.device, bool] = {}
+
+
+def _float32_out_mm_works(device: torch.device) -> bool:
+    """Whether this build has cuBLAS's half-precision product with a float32 result (`mm.dtype`)."""
+    if device not in _FLOAT32_OUT_MM:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            _FLOAT32_OUT_MM[device] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FLOAT32_OUT_MM[device] = False
+    return _FLOAT32_OUT_MM[device]
+
+
+def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] @ weight [V, H]^T -> logits [N, V] float32. On CUDA in bf16/fp16 the product
+    accumulates in float32 and is returned unrounded, so the greedy choice does not hinge on
+    rounding logits to 8 mantissa bits (exact ties there are common, and any rounding difference
+    between verify batch shapes would flip them)."""
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _float32_out_mm_works(hidden.device):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).float()

@@ -12,7 +12,7 @@ from torch import nn
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops
-from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, attend
+from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, attend, logits_float32
 
 
 class TargetAttention(nn.Module):
@@ -102,5 +102,5 @@ class TargetModel(nn.Module):
             features = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
         if logit_rows is not None:
             h = h[logit_rows]
-        logits = self.lm_head(self.ops.rms_norm(h, self.norm.weight, self.norm.eps)).float()
+        logits = logits_float32(self.ops.rms_norm(h, self.norm.weight, self.norm.eps), self.lm_head.weight)
         return logits, features

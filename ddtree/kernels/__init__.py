@@ -1,0 +1,1 @@
+"""Triton kernels for the CUDA path; each has a PyTorch reference elsewhere in the package."""

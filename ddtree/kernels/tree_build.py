@@ -1,0 +1,215 @@
+"""The tree build of one round as four Triton kernels: rank (two), select, visibility.
+
+`ddtree.tree.build_tree` does the same work as ~10 PyTorch operators per depth level (a `topk`
+over B x B candidates each time); on a small target that is most of a round. Here:
+
+- rank (grid: depths x vocab chunks, then depths): the best K = min(B, V) tokens of each depth,
+  ties by token id, as a sort of unique int64 keys per chunk and a merge of the chunks' heads;
+- select (one program): the level-by-level top-B of `build_tree`, then the global top-B, node
+  numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
+  (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
+  many candidates beat or tie it with a smaller position), so each level sorts ~B ln B keys, not B^2;
+- visibility (grid: row blocks): each row's ancestors, by following parent pointers.
+
+The output equals `build_tree` exactly (tests run both on random and tie-heavy inputs, on the GPU
+and, through Triton's interpreter, on the CPU). Keys are the same as `ddtree.tree.order_keys`:
+the float's order-preserving 32 bits, then the position inverted in the low bits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton: `build_tree` is used instead
+    triton = None
+
+MAX_SORT = 8192  # the largest key block one program sorts (registers, not a correctness limit)
+MAX_FINAL_SORT = 16384  # the global top-B over D x B level entries: D = 15, B = 1024 fits
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def candidates(budget: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent rank i, token rank j) pairs with i < budget, j < k and (i + 1)(j + 1) <= budget,
+    in position order (i * k + j ascending): the only ones that can be among a level's best B."""
+    pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+    i, j = zip(*pairs)
+    return torch.tensor(i, dtype=torch.int32), torch.tensor(j, dtype=torch.int32)
+
+
+class TreeBuildPlan:
+    """Static shapes and scratch of one (budget, depth count, vocabulary) on one device."""
+
+    def __init__(self, budget: int, depth_count: int, vocab: int, device):
+        self.budget, self.depth_count, self.vocab = budget, depth_count, vocab
+        self.k = min(budget, vocab)
+        self.kp = _pow2(self.k)
+        self.chunk = max(self.kp, min(1024, _pow2(vocab)), _pow2(math.ceil(vocab * self.kp / MAX_SORT)))
+        self.chunks = math.ceil(vocab / self.chunk)
+        self.merge = _pow2(self.chunks) * self.kp
+        cand_i, cand_j = candidates(budget, self.k)
+        self.cand_count = cand_i.numel()
+        self.cand_pad = _pow2(self.cand_count)
+        self.final_pad = _pow2(depth_count * budget)
+        self.supported = (triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
+                          and self.final_pad <= MAX_FINAL_SORT)
+        biggest = max(self.cand_pad, self.final_pad)
+        self.select_warps = 16 if biggest > MAX_SORT else 8 if biggest > 1024 else 4
+        d, b = depth_count, budget
+        self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
+        self.heads = torch.empty(d, self.chunks, self.kp, dtype=torch.int64, device=device)
+        self.ranked_logp = torch.empty(d, self.k, dtype=torch.float32, device=device)
+        self.ranked_tok = torch.empty(d, self.k, dtype=torch.int64, device=device)
+        self.level_score = torch.empty(d, b, dtype=torch.float32, device=device)
+        self.level_parent = torch.empty(d, b, dtype=torch.int32, device=device)
+        self.level_token = torch.empty(d, b, dtype=torch.int64, device=device)
+        self.node_of = torch.empty(d, b, dtype=torch.int32, device=device)
+
+    def build(self, logp: torch.Tensor, root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+              depths: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> None:
+        """logp [D, V] float32, root [] long -> writes tokens/parents/depths [N] long, valid [N] bool,
+        visible [N, N] bool (N = B + 1) exactly as `build_tree` would return them."""
+        d, v, b = self.depth_count, self.vocab, self.budget
+        logp = logp.contiguous()
+        _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
+                                       CHUNKS=self.chunks, IB=_bits(v), num_warps=8)
+        _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
+                          MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), num_warps=8)
+        _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
+                      self.level_score, self.level_parent, self.level_token, self.node_of,
+                      tokens, parents, depths, valid.view(torch.uint8),
+                      D=d, K=self.k, B=b, BP=_pow2(b), C=self.cand_count, CP=self.cand_pad,
+                      IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), num_warps=self.select_warps)
+        n = b + 1
+        rows = 8
+        _visible[(triton.cdiv(n, rows),)](parents, visible.view(torch.uint8), n, NP=_pow2(n), RB=rows,
+                                          D=d, num_warps=4)
+
+
+def _bits(count: int) -> int:
+    return max(1, (count - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key(v, pos, IB: tl.constexpr):
+        """Unique int64 key: larger value first, then smaller position (`ddtree.tree.order_keys`)."""
+        v = tl.where(v == 0.0, 0.0, v)  # -0.0 sorts as +0.0
+        bits = v.to(tl.int32, bitcast=True)
+        mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+        return (mono << IB) | ((1 << IB) - 1 - pos.to(tl.int64))
+
+    @triton.jit
+    def _position(key, IB: tl.constexpr):
+        return (1 << IB) - 1 - (key & ((1 << IB) - 1))
+
+    @triton.jit
+    def _rank_chunks(logp_ptr, heads_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr, CHUNKS: tl.constexpr,
+                     IB: tl.constexpr):
+        """Program (depth, chunk): the chunk's best KP keys, best first, into heads[depth, chunk]."""
+        d = tl.program_id(0)
+        c = tl.program_id(1)
+        offs = tl.arange(0, CHUNK)
+        tok = c * CHUNK + offs
+        inside = tok < V
+        v = tl.load(logp_ptr + d * V + tok, mask=inside, other=0.0)
+        key = tl.where(inside, _key(v, tok, IB), -1)
+        key = tl.sort(key, descending=True)
+        tl.store(heads_ptr + (d * CHUNKS + c) * KP + offs, key, mask=offs < KP)
+
+    @triton.jit
+    def _rank_merge(heads_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr,
+                    MERGE: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr):
+        """Program depth: the best K of all chunks' heads -> ranked log-probs and token ids [K]."""
+        d = tl.program_id(0)
+        offs = tl.arange(0, MERGE)
+        key = tl.load(heads_ptr + d * HEADS + offs, mask=offs < HEADS, other=-1)
+        key = tl.sort(key, descending=True)
+        first = offs < K
+        tok = _position(key, IB)
+        value = tl.load(logp_ptr + d * V + tok, mask=first, other=0.0)
+        tl.store(ranked_logp_ptr + d * K + offs, value, mask=first)
+        tl.store(ranked_tok_ptr + d * K + offs, tok, mask=first)
+
+    @triton.jit
+    def _select(rlogp_ptr, rtok_ptr, root_ptr, cand_i_ptr, cand_j_ptr,
+                lscore_ptr, lparent_ptr, ltoken_ptr, node_of_ptr,
+                tokens_ptr, parents_ptr, depths_ptr, valid_ptr,
+                D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, C: tl.constexpr,
+                CP: tl.constexpr, IB1: tl.constexpr, FP: tl.constexpr, IB2: tl.constexpr):
+        """One program: levels, global top-B, node numbering. Scratch goes through global memory;
+        `debug_barrier` (a block-wide barrier) makes one step's stores visible to the next's loads."""
+        neg_inf = float("-inf")
+        r = tl.arange(0, BP)
+        first = r < K
+        tl.store(lscore_ptr + r, tl.load(rlogp_ptr + r, mask=first, other=neg_inf), mask=r < B)
+        tl.store(lparent_ptr + r, tl.zeros([BP], tl.int32), mask=r < B)
+        tl.store(ltoken_ptr + r, tl.load(rtok_ptr + r, mask=first, other=0), mask=r < B)
+
+        c = tl.arange(0, CP)
+        live = c < C
+        ci = tl.load(cand_i_ptr + c, mask=live, other=0)
+        cj = tl.load(cand_j_ptr + c, mask=live, other=0)
+        top = c < B
+        for d in range(1, D):
+            tl.debug_barrier()
+            v = tl.load(lscore_ptr + (d - 1) * B + ci, mask=live, other=neg_inf) + \
+                tl.load(rlogp_ptr + d * K + cj, mask=live, other=neg_inf)
+            key = tl.where(live, _key(v, ci * K + cj, IB1), -1)
+            key = tl.sort(key, descending=True)
+            pos = _position(key, IB1)
+            i = (pos // K).to(tl.int32)
+            j = pos % K
+            value = tl.load(lscore_ptr + (d - 1) * B + i, mask=top, other=neg_inf) + \
+                tl.load(rlogp_ptr + d * K + j, mask=top, other=neg_inf)
+            tl.store(lscore_ptr + d * B + c, value, mask=top)
+            tl.store(lparent_ptr + d * B + c, i, mask=top)
+            tl.store(ltoken_ptr + d * B + c, tl.load(rtok_ptr + d * K + j, mask=top, other=0), mask=top)
+
+        tl.debug_barrier()
+        f = tl.arange(0, FP)
+        live = f < D * B
+        key = tl.where(live, _key(tl.load(lscore_ptr + f, mask=live, other=neg_inf), f, IB2), -1)
+        key = tl.sort(key, descending=True)
+        pos = _position(key, IB2)
+        sel = f < B
+        tl.store(node_of_ptr + pos, (f + 1).to(tl.int32), mask=sel)
+        tl.debug_barrier()
+        depth = pos // B
+        ok = sel & (tl.load(lscore_ptr + pos, mask=sel, other=neg_inf) > neg_inf)
+        up = ok & (depth > 0)
+        parent_rank = tl.load(lparent_ptr + pos, mask=up, other=0)
+        parent = tl.load(node_of_ptr + (depth - 1) * B + parent_rank, mask=up, other=0).to(tl.int64)
+        parent = tl.where(ok, parent, -1)
+        token = tl.where(ok, tl.load(ltoken_ptr + pos, mask=ok, other=0), 0)
+        tl.store(tokens_ptr + 1 + f, token, mask=sel)
+        tl.store(parents_ptr + 1 + f, parent, mask=sel)
+        tl.store(depths_ptr + 1 + f, tl.where(ok, depth + 1, 0), mask=sel)
+        tl.store(valid_ptr + 1 + f, ok.to(tl.uint8), mask=sel)
+        zero = f == 0
+        tl.store(tokens_ptr + f, tl.load(root_ptr + f * 0, mask=zero, other=0), mask=zero)
+        tl.store(parents_ptr + f, tl.full([FP], -1, tl.int64), mask=zero)
+        tl.store(depths_ptr + f, tl.zeros([FP], tl.int64), mask=zero)
+        tl.store(valid_ptr + f, tl.full([FP], 1, tl.uint8), mask=zero)
+
+    @triton.jit
+    def _visible(parents_ptr, visible_ptr, N, NP: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+        """Program row block: visible[i, j] = j is i or an ancestor of i (at most D steps up)."""
+        rows = tl.program_id(0) * RB + tl.arange(0, RB)
+        cols = tl.arange(0, NP)
+        inside = rows < N
+        seen = cols[None, :] == rows[:, None]
+        cur = tl.load(parents_ptr + rows, mask=inside, other=-1)
+        for _ in range(D):
+            seen = seen | (cols[None, :] == cur[:, None])
+            up = cur >= 0
+            cur = tl.load(parents_ptr + tl.where(up, cur, 0), mask=up, other=-1)
+        out = visible_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(out, seen.to(tl.uint8), mask=inside[:, None] & (cols[None, :] < N))
