@@ -3,8 +3,9 @@ of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Q
 
     python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--output FILE.json]
 
-Prints and writes the median microseconds per build (graph replay, 15 depths) and whether the two
-outputs are identical.
+Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
+for each selection variant of the Triton build ("sort", "topk"), and whether each output is
+identical to `build_tree`'s.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32,64,128,256,512,1024")
     ap.add_argument("--vocabs", default="8192,151936")
     ap.add_argument("--depths", type=int, default=15)
+    ap.add_argument("--selections", default="sort,topk", help="the Triton build's selection variants to time")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     rows = []
@@ -56,19 +58,22 @@ def main() -> None:
         for budget in map(int, args.budgets.split(",")):
             ref = build_tree(logp, root, budget)
             torch_us = replay_us(lambda: build_tree(logp, root, budget))
-            plan = TreeBuildPlan(budget, args.depths, vocab, "cuda")
-            row = {"vocab": vocab, "budget": budget, "torch_us": torch_us, "fused_supported": plan.supported}
-            if plan.supported:
+            row = {"vocab": vocab, "budget": budget, "torch_us": torch_us}
+            for selection in args.selections.split(","):
+                plan = TreeBuildPlan(budget, args.depths, vocab, "cuda", selection=selection)
+                row[f"{selection}_supported"] = plan.supported
+                if not plan.supported:
+                    continue
                 n = budget + 1
                 out = [torch.empty(n, dtype=torch.long, device="cuda") for _ in range(3)] + \
                       [torch.empty(n, dtype=torch.bool, device="cuda"), torch.empty(n, n, dtype=torch.bool, device="cuda")]
                 t = time.perf_counter()
                 plan.build(logp, root, *out)
                 torch.cuda.synchronize()
-                row["fused_first_call_s"] = time.perf_counter() - t  # Triton compile
-                row["fused_us"] = replay_us(lambda: plan.build(logp, root, *out))
-                row["identical"] = all(torch.equal(a, b) for a, b in
-                                       zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
+                row[f"{selection}_first_call_s"] = time.perf_counter() - t  # Triton compile
+                row[f"{selection}_us"] = replay_us(lambda: plan.build(logp, root, *out))
+                row[f"{selection}_identical"] = all(torch.equal(a, b) for a, b in
+                                                    zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"benchmark": "tree_build", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -31,11 +31,11 @@ def draft_logp(depths: int, vocab: int, seed: int, levels: int = 0, dead_from: i
     return torch.log_softmax(logits, dim=-1).to(DEVICE)
 
 
-def check(budget: int, depths: int, vocab: int, **kw) -> None:
+def check(budget: int, depths: int, vocab: int, selection: str = "sort", **kw) -> None:
     logp = draft_logp(depths, vocab, **kw)
     root = torch.tensor(5, device=DEVICE)
     ref = build_tree(logp, root, budget)
-    plan = TreeBuildPlan(budget, depths, vocab, DEVICE)
+    plan = TreeBuildPlan(budget, depths, vocab, DEVICE, selection=selection)
     assert plan.supported
     n = budget + 1
     out = dict(tokens=torch.full((n,), 99, dtype=torch.long, device=DEVICE),
@@ -46,7 +46,7 @@ def check(budget: int, depths: int, vocab: int, **kw) -> None:
     for _ in range(2):  # twice: stale scratch from the first build must not leak into the second
         plan.build(logp, root, **out)
         for name, got in out.items():
-            assert torch.equal(got, getattr(ref, name)), (name, budget, depths, vocab, kw)
+            assert torch.equal(got, getattr(ref, name)), (name, budget, depths, vocab, selection, kw)
 
 
 def test_candidates_are_the_pairs_that_can_win():
@@ -69,18 +69,25 @@ SMALL = [
 ]
 
 
+@pytest.mark.parametrize("selection", ["sort", "topk"])
 @pytest.mark.parametrize("budget,depths,vocab,kw", SMALL)
-def test_fused_build_equals_build_tree(budget, depths, vocab, kw):
-    check(budget, depths, vocab, **kw)
+def test_fused_build_equals_build_tree(budget, depths, vocab, kw, selection):
+    check(budget, depths, vocab, selection, **kw)
+
+
+def test_unknown_selection_is_refused():
+    with pytest.raises(ValueError, match="selection"):
+        TreeBuildPlan(16, 15, 50, DEVICE, selection="heap")
 
 
 @pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (the interpreter is slow)")
+@pytest.mark.parametrize("selection", ["sort", "topk"])
 @pytest.mark.parametrize("budget", [16, 64, 256, 512, 1024])
 @pytest.mark.parametrize("vocab", [8192, 151936])
-def test_fused_build_equals_build_tree_at_real_sizes(budget, vocab):
+def test_fused_build_equals_build_tree_at_real_sizes(budget, vocab, selection):
     plan = TreeBuildPlan(budget, 15, vocab, DEVICE)
     if not plan.supported:
         pytest.skip(f"budget {budget} at vocabulary {vocab} falls back to build_tree")
     for seed, levels in [(0, 0), (1, 2), (2, 1)]:
-        check(budget, 15, vocab, seed=seed, levels=levels)
-    check(budget, 15, vocab, seed=3, dead_from=5)
+        check(budget, 15, vocab, selection, seed=seed, levels=levels)
+    check(budget, 15, vocab, selection, seed=3, dead_from=5)

@@ -4,11 +4,12 @@
 over B x B candidates each time); on a small target that is most of a round. Here:
 
 - rank (grid: depths x vocab chunks, then depths): the best K = min(B, V) tokens of each depth,
-  ties by token id, as a sort of unique int64 keys per chunk and a merge of the chunks' heads;
+  ties by token id: the best of unique int64 keys per chunk, then of the chunks' heads;
 - select (one program): the level-by-level top-B of `build_tree`, then the global top-B, node
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
-  many candidates beat or tie it with a smaller position), so each level sorts ~B ln B keys, not B^2;
+  many candidates beat or tie it with a smaller position), so each level takes the top B of ~B ln B
+  keys, not of B^2;
 - visibility (grid: row blocks): each row's ancestors, by following parent pointers.
 
 The output equals `build_tree` exactly (tests run both on random and tie-heavy inputs, on the GPU
@@ -46,17 +47,25 @@ def candidates(budget: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class TreeBuildPlan:
     """Static shapes and scratch of one (budget, depth count, vocabulary) on one device."""
 
-    def __init__(self, budget: int, depth_count: int, vocab: int, device):
+    def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "sort"):
+        """selection: "sort" (a full bitonic sort per selection, the default, whose timings are in
+        benchmarks/README.md) or "topk" (`tl.topk`: about half the compare-exchange work when K is
+        much smaller than the block; not yet timed). benchmarks/tree_build.py times both; both give
+        the same tree."""
+        if selection not in ("sort", "topk"):
+            raise ValueError(f"selection must be 'sort' or 'topk', got {selection!r}")
         self.budget, self.depth_count, self.vocab = budget, depth_count, vocab
+        self.topk = selection == "topk"
         self.k = min(budget, vocab)
-        self.kp = _pow2(self.k)
+        self.kp = max(2, _pow2(self.k))  # block sizes >= 2: `tl.topk` cannot reduce to one element
         self.chunk = max(self.kp, min(1024, _pow2(vocab)), _pow2(math.ceil(vocab * self.kp / MAX_SORT)))
         self.chunks = math.ceil(vocab / self.chunk)
         self.merge = _pow2(self.chunks) * self.kp
         cand_i, cand_j = candidates(budget, self.k)
         self.cand_count = cand_i.numel()
-        self.cand_pad = _pow2(self.cand_count)
-        self.final_pad = _pow2(depth_count * budget)
+        self.budget_pad = max(2, _pow2(budget))
+        self.cand_pad = max(self.budget_pad, _pow2(self.cand_count))
+        self.final_pad = max(self.budget_pad, _pow2(depth_count * budget))
         self.supported = (triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
                           and self.final_pad <= MAX_FINAL_SORT)
         biggest = max(self.cand_pad, self.final_pad)
@@ -78,14 +87,15 @@ class TreeBuildPlan:
         d, v, b = self.depth_count, self.vocab, self.budget
         logp = logp.contiguous()
         _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
-                                       CHUNKS=self.chunks, IB=_bits(v), num_warps=8)
-        _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
-                          MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), num_warps=8)
+                                       CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, num_warps=8)
+        _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
+                          MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk, num_warps=8)
         _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
                       self.level_score, self.level_parent, self.level_token, self.node_of,
                       tokens, parents, depths, valid.view(torch.uint8),
-                      D=d, K=self.k, B=b, BP=_pow2(b), C=self.cand_count, CP=self.cand_pad,
-                      IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), num_warps=self.select_warps)
+                      D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
+                      IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), TOPK=self.topk,
+                      num_warps=self.select_warps)
         n = b + 1
         rows = 8
         _visible[(triton.cdiv(n, rows),)](parents, visible.view(torch.uint8), n, NP=_pow2(n), RB=rows,
@@ -107,12 +117,25 @@ if triton is not None:
         return (mono << IB) | ((1 << IB) - 1 - pos.to(tl.int64))
 
     @triton.jit
+    def _best(key, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr):
+        """The K largest of key [N], largest first (K, N powers of two, 2 <= K <= N): a bitonic
+        top-k (`tl.topk`), or a full bitonic sort and its first K (the first row of [N / K, K])."""
+        if TOPK:
+            best = tl.topk(key, K)
+        elif N == K:
+            best = tl.sort(key, descending=True)
+        else:
+            rows = tl.reshape(tl.sort(key, descending=True), [N // K, K])
+            best = tl.max(tl.where(tl.arange(0, N // K)[:, None] == 0, rows, -1), axis=0)
+        return best
+
+    @triton.jit
     def _position(key, IB: tl.constexpr):
         return (1 << IB) - 1 - (key & ((1 << IB) - 1))
 
     @triton.jit
     def _rank_chunks(logp_ptr, heads_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr, CHUNKS: tl.constexpr,
-                     IB: tl.constexpr):
+                     IB: tl.constexpr, TOPK: tl.constexpr):
         """Program (depth, chunk): the chunk's best KP keys, best first, into heads[depth, chunk]."""
         d = tl.program_id(0)
         c = tl.program_id(1)
@@ -120,30 +143,29 @@ if triton is not None:
         tok = c * CHUNK + offs
         inside = tok < V
         v = tl.load(logp_ptr + d * V + tok, mask=inside, other=0.0)
-        key = tl.where(inside, _key(v, tok, IB), -1)
-        key = tl.sort(key, descending=True)
-        tl.store(heads_ptr + (d * CHUNKS + c) * KP + offs, key, mask=offs < KP)
+        best = _best(tl.where(inside, _key(v, tok, IB), -1), CHUNK, KP, TOPK)  # [KP]
+        tl.store(heads_ptr + (d * CHUNKS + c) * KP + tl.arange(0, KP), best)
 
     @triton.jit
-    def _rank_merge(heads_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr,
-                    MERGE: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr):
+    def _rank_merge(heads_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr, KP: tl.constexpr,
+                    MERGE: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr, TOPK: tl.constexpr):
         """Program depth: the best K of all chunks' heads -> ranked log-probs and token ids [K]."""
         d = tl.program_id(0)
         offs = tl.arange(0, MERGE)
-        key = tl.load(heads_ptr + d * HEADS + offs, mask=offs < HEADS, other=-1)
-        key = tl.sort(key, descending=True)
-        first = offs < K
-        tok = _position(key, IB)
+        best = _best(tl.load(heads_ptr + d * HEADS + offs, mask=offs < HEADS, other=-1), MERGE, KP, TOPK)
+        o = tl.arange(0, KP)
+        first = o < K
+        tok = _position(best, IB)
         value = tl.load(logp_ptr + d * V + tok, mask=first, other=0.0)
-        tl.store(ranked_logp_ptr + d * K + offs, value, mask=first)
-        tl.store(ranked_tok_ptr + d * K + offs, tok, mask=first)
+        tl.store(ranked_logp_ptr + d * K + o, value, mask=first)
+        tl.store(ranked_tok_ptr + d * K + o, tok, mask=first)
 
     @triton.jit
     def _select(rlogp_ptr, rtok_ptr, root_ptr, cand_i_ptr, cand_j_ptr,
                 lscore_ptr, lparent_ptr, ltoken_ptr, node_of_ptr,
                 tokens_ptr, parents_ptr, depths_ptr, valid_ptr,
                 D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, C: tl.constexpr,
-                CP: tl.constexpr, IB1: tl.constexpr, FP: tl.constexpr, IB2: tl.constexpr):
+                CP: tl.constexpr, IB1: tl.constexpr, FP: tl.constexpr, IB2: tl.constexpr, TOPK: tl.constexpr):
         """One program: levels, global top-B, node numbering. Scratch goes through global memory;
         `debug_barrier` (a block-wide barrier) makes one step's stores visible to the next's loads."""
         neg_inf = float("-inf")
@@ -157,30 +179,28 @@ if triton is not None:
         live = c < C
         ci = tl.load(cand_i_ptr + c, mask=live, other=0)
         cj = tl.load(cand_j_ptr + c, mask=live, other=0)
-        top = c < B
+        top = r < B
         for d in range(1, D):
             tl.debug_barrier()
             v = tl.load(lscore_ptr + (d - 1) * B + ci, mask=live, other=neg_inf) + \
                 tl.load(rlogp_ptr + d * K + cj, mask=live, other=neg_inf)
-            key = tl.where(live, _key(v, ci * K + cj, IB1), -1)
-            key = tl.sort(key, descending=True)
-            pos = _position(key, IB1)
+            best = _best(tl.where(live, _key(v, ci * K + cj, IB1), -1), CP, BP, TOPK)  # [BP]
+            pos = _position(best, IB1)
             i = (pos // K).to(tl.int32)
             j = pos % K
             value = tl.load(lscore_ptr + (d - 1) * B + i, mask=top, other=neg_inf) + \
                 tl.load(rlogp_ptr + d * K + j, mask=top, other=neg_inf)
-            tl.store(lscore_ptr + d * B + c, value, mask=top)
-            tl.store(lparent_ptr + d * B + c, i, mask=top)
-            tl.store(ltoken_ptr + d * B + c, tl.load(rtok_ptr + d * K + j, mask=top, other=0), mask=top)
+            tl.store(lscore_ptr + d * B + r, value, mask=top)
+            tl.store(lparent_ptr + d * B + r, i, mask=top)
+            tl.store(ltoken_ptr + d * B + r, tl.load(rtok_ptr + d * K + j, mask=top, other=0), mask=top)
 
         tl.debug_barrier()
         f = tl.arange(0, FP)
         live = f < D * B
-        key = tl.where(live, _key(tl.load(lscore_ptr + f, mask=live, other=neg_inf), f, IB2), -1)
-        key = tl.sort(key, descending=True)
-        pos = _position(key, IB2)
-        sel = f < B
-        tl.store(node_of_ptr + pos, (f + 1).to(tl.int32), mask=sel)
+        best = _best(tl.where(live, _key(tl.load(lscore_ptr + f, mask=live, other=neg_inf), f, IB2), -1), FP, BP, TOPK)
+        pos = _position(best, IB2)
+        sel = r < B
+        tl.store(node_of_ptr + pos, (r + 1).to(tl.int32), mask=sel)
         tl.debug_barrier()
         depth = pos // B
         ok = sel & (tl.load(lscore_ptr + pos, mask=sel, other=neg_inf) > neg_inf)
@@ -189,15 +209,15 @@ if triton is not None:
         parent = tl.load(node_of_ptr + (depth - 1) * B + parent_rank, mask=up, other=0).to(tl.int64)
         parent = tl.where(ok, parent, -1)
         token = tl.where(ok, tl.load(ltoken_ptr + pos, mask=ok, other=0), 0)
-        tl.store(tokens_ptr + 1 + f, token, mask=sel)
-        tl.store(parents_ptr + 1 + f, parent, mask=sel)
-        tl.store(depths_ptr + 1 + f, tl.where(ok, depth + 1, 0), mask=sel)
-        tl.store(valid_ptr + 1 + f, ok.to(tl.uint8), mask=sel)
-        zero = f == 0
-        tl.store(tokens_ptr + f, tl.load(root_ptr + f * 0, mask=zero, other=0), mask=zero)
-        tl.store(parents_ptr + f, tl.full([FP], -1, tl.int64), mask=zero)
-        tl.store(depths_ptr + f, tl.zeros([FP], tl.int64), mask=zero)
-        tl.store(valid_ptr + f, tl.full([FP], 1, tl.uint8), mask=zero)
+        tl.store(tokens_ptr + 1 + r, token, mask=sel)
+        tl.store(parents_ptr + 1 + r, parent, mask=sel)
+        tl.store(depths_ptr + 1 + r, tl.where(ok, depth + 1, 0), mask=sel)
+        tl.store(valid_ptr + 1 + r, ok.to(tl.uint8), mask=sel)
+        zero = r == 0
+        tl.store(tokens_ptr + r, tl.load(root_ptr + r * 0, mask=zero, other=0), mask=zero)
+        tl.store(parents_ptr + r, tl.full([BP], -1, tl.int64), mask=zero)
+        tl.store(depths_ptr + r, tl.zeros([BP], tl.int64), mask=zero)
+        tl.store(valid_ptr + r, tl.full([BP], 1, tl.uint8), mask=zero)
 
     @triton.jit
     def _visible(parents_ptr, visible_ptr, N, NP: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
