@@ -113,9 +113,8 @@ def time_graph(engine: Engine, fn, reps: int = 20) -> float:
 def stage_times(engine: Engine, budget) -> dict:
     """Replay each stage alone as a CUDA graph at the engine's current state (mid-sequence).
     Every stage writes only scratch slots past the committed length, so replays are harmless."""
-    b = engine.block_size
-    size = tree_size(budget, b)
-    kv_len = engine._bucket_len(engine._host_n + max(size, b))
+    size = tree_size(budget, engine.block_size)
+    kv_len = engine._front_kv_len(budget, engine._host_n)
     bufs = engine.buffers[budget]
     out = {"draft_ms": 0.0, "build_ms": 0.0}
     if budget != AR:

@@ -197,8 +197,7 @@ class Engine:
         return graph, out
 
     def _run_front(self, budget: TreeBudget) -> torch.Tensor:
-        size = tree_size(budget, self.block_size)
-        kv_len = self._bucket_len(self._host_n + max(size, self.block_size))
+        kv_len = self._front_kv_len(budget, self._host_n)
         if not self.use_graphs:
             return self._front(budget, kv_len)
         key = (budget, kv_len)
@@ -238,6 +237,16 @@ class Engine:
             self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
             log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
 
+    def _front_kv_len(self, budget: TreeBudget, host_n: int) -> int:
+        """KV slots the front reads at committed length host_n: the tree's (or block's) scratch
+        slots included, rounded up to the bucket."""
+        return self._bucket_len(host_n + max(tree_size(budget, self.block_size), self.block_size))
+
+    def front_kv_lens(self, budget: TreeBudget) -> list[int]:
+        """Every KV length the front can run at for sequences of up to max_model_len tokens."""
+        first, last = self._front_kv_len(budget, 0), self._front_kv_len(budget, self.max_model_len - 1)
+        return list(range(first, last + 1, self.kv_bucket))
+
     def capture_all(self, budget: TreeBudget) -> None:
         """prepare(budget), then capture the front graph of every KV bucket a sequence of up to
         max_model_len tokens can reach. Call between requests: the warm-ups write scratch slots."""
@@ -247,8 +256,7 @@ class Engine:
         self.n.zero_()
         self._host_n = 0
         start = time.perf_counter()
-        reach = max(tree_size(budget, self.block_size), self.block_size)
-        for kv_len in range(self._bucket_len(reach), self._bucket_len(self.max_model_len - 1 + reach) + 1, self.kv_bucket):
+        for kv_len in self.front_kv_lens(budget):
             if (budget, kv_len) not in self.front_graphs:
                 self.front_graphs[(budget, kv_len)] = self._capture(lambda: self._front(budget, kv_len))
         log.info("captured the front graphs of budget=%s in %.2f s", budget, time.perf_counter() - start)

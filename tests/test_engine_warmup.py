@@ -1,0 +1,73 @@
+"""Graph warm-up: the KV buckets captured up front cover every length a sequence can reach, and
+`LLM.warmup` validates its budget before touching the engine. (Capture itself runs on a GPU:
+tests/test_gpu_graphs.py.)"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ddtree import LLM
+from ddtree.bench.runner import OfflineBackend
+from ddtree.config import DDTreeError
+from ddtree.engine import tree_size
+from tiny_models import make_drafter, make_target
+
+MAX_LEN = 200
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    root = tmp_path_factory.mktemp("warmup")
+    make_target(root / "t", "qwen3")
+    make_drafter(root / "d", root / "t", block_size=8)
+    return LLM(root / "t", root / "d", device="cpu", dtype="float32", max_model_len=MAX_LEN, kv_bucket=32)
+
+
+@pytest.mark.parametrize("budget", ["ar", "chain", 1, 7, 64, 300])
+def test_front_buckets_cover_every_length(llm, budget):
+    engine = llm.engine
+    lens = engine.front_kv_lens(budget)
+    assert lens == sorted(set(lens)) and all(x % engine.kv_bucket == 0 for x in lens)
+    assert set(lens) == {engine._front_kv_len(budget, n) for n in range(MAX_LEN)}
+    size = max(tree_size(budget, engine.block_size), engine.block_size)
+    assert lens[0] >= size and lens[-1] >= MAX_LEN - 1 + size  # the scratch slots always fit
+
+
+def test_warmup_prepares_the_budget(llm):
+    llm.warmup(16)
+    assert 16 in llm.engine.buffers
+    llm.warmup()  # the default budget
+    assert llm.default_budget in llm.engine.buffers
+
+
+@pytest.mark.parametrize("bad", [0, -3, "wide", 10**6, 2.5])
+def test_warmup_refuses_a_bad_budget_and_changes_nothing(llm, bad):
+    before = set(llm.engine.buffers)
+    with pytest.raises(DDTreeError):
+        llm.warmup(bad)
+    assert set(llm.engine.buffers) == before
+
+
+def test_warmup_without_a_drafter_allows_only_ar(tmp_path):
+    make_target(tmp_path / "t", "qwen3")
+    plain = LLM(tmp_path / "t", device="cpu", dtype="float32", use_draft=False, max_model_len=64)
+    with pytest.raises(DDTreeError, match="no drafter"):
+        plain.warmup(16)
+    plain.warmup("ar")
+    assert "ar" in plain.engine.buffers
+
+
+def test_offline_benchmark_warms_each_budget_up():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def warmup(self, budget):
+            self.calls.append(budget)
+
+    llm = Recorder()
+    backend = OfflineBackend(llm)
+    asyncio.run(backend.prepare(32))
+    asyncio.run(backend.prepare("chain"))
+    assert llm.calls == [32, "chain"]
