@@ -26,7 +26,6 @@ from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.target import TargetModel
 from ddtree.models.layers import AttentionMeta, RotaryTable
-from ddtree.tree import context_tree_mask
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
@@ -125,7 +124,7 @@ def stage_times(engine: Engine, budget) -> dict:
 
     def verify():
         meta = AttentionMeta(engine.n + torch.arange(size, device=engine.device), kv_len,
-                             context_tree_mask(engine.n, bufs.visible, kv_len))
+                             engine.tree_mask(engine.n, bufs.visible, kv_len))
         return engine.target(bufs.tokens, engine.n + bufs.depths, meta, engine.cache, taps)
 
     out["verify_ms"] = time_graph(engine, verify)

@@ -92,10 +92,13 @@ class Engine:
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
-        if compile_layers if compile_layers is not None else self.use_graphs:
+        compiled = compile_layers if compile_layers is not None else self.use_graphs
+        if compiled:
             target.use_compiled()
             if drafter is not None:
                 drafter.use_compiled()
+        # The verify mask [N, kv_len] from the tree: ~10 small operators eagerly, one kernel compiled.
+        self.tree_mask = torch.compile(context_tree_mask, dynamic=True, fullgraph=True) if compiled else context_tree_mask
         # Graphs bake in the KV length: round it up to a bucket so one graph serves many rounds.
         self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
         self.block_size = drafter.config.block_size if drafter is not None else 0
@@ -157,7 +160,7 @@ class Engine:
         tree = bufs.tree
         size = tree.size
         meta = AttentionMeta(n + torch.arange(size, device=self.device), kv_len,
-                             context_tree_mask(n, tree.visible, kv_len))
+                             self.tree_mask(n, tree.visible, kv_len))
         taps = self.feature_layers if budget != AR else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:

@@ -64,6 +64,13 @@ def finish_layer(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b
     return h + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
+def mask_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """mask [N, T] bool -> additive bias [group * N, T] (0 where visible, -inf elsewhere), repeated
+    for the query heads that share a KV head (`layers.attend` stacks them along the query axis)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return bias.repeat(group, 1)
+
+
 class LayerOps:
     """The functions a layer calls: eager, or compiled once for all layers (CUDA)."""
 
@@ -74,10 +81,12 @@ class LayerOps:
             self.project_qkv_split = torch.compile(project_qkv_split, dynamic=True, fullgraph=True)
             self.project_kv = torch.compile(project_kv, dynamic=True, fullgraph=True)
             self.rms_norm = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+            self.mask_bias = torch.compile(mask_bias, dynamic=True, fullgraph=True)
         else:
             self.project_kv = project_kv
             self.project_qkv, self.finish_layer, self.rms_norm = project_qkv, finish_layer, rms_norm
             self.project_qkv_split = project_qkv_split
+            self.mask_bias = mask_bias
 
 
 EAGER = LayerOps(compiled=False)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.configs import RopeConfig
-from ddtree.models.fused import rms_norm, rotate
+from ddtree.models.fused import mask_bias, rms_norm, rotate
 
 
 class RMSNorm(nn.Module):
@@ -92,18 +92,17 @@ class AttentionMeta:
     causal: bool = False
     _bias: dict = field(default_factory=dict, repr=False)
 
-    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def bias(self, group: int, dtype: torch.dtype, make=mask_bias) -> torch.Tensor:
         """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping,
-        computed once per forward and shared by all layers."""
+        computed once per forward (by `make`: `fused.mask_bias`, compiled on CUDA) and shared by all layers."""
         key = (group, dtype)
         if key not in self._bias:
-            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            bias.masked_fill_(~self.mask, float("-inf"))
-            self._bias[key] = bias.repeat(group, 1)
+            self._bias[key] = make(self.mask, group, dtype)
         return self._bias[key]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
+           make_bias=mask_bias) -> torch.Tensor:
     """q: [N, Hq, D]; k, v: [T, Hkv, D] (T = meta.kv_len). Returns [N, Hq * D].
 
     With a mask, the query heads that share a KV head are stacked along the query axis
@@ -119,7 +118,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=group > 1)
         return out[0].transpose(0, 1).reshape(n, hq * d)
     qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
-    bias = meta.bias(group, q.dtype)[None, None]
+    bias = meta.bias(group, q.dtype, make_bias)[None, None]
     out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=bias, scale=scale)  # [1, Hkv, group * N, D]
     return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
 

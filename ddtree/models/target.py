@@ -47,7 +47,7 @@ class TargetLayer(nn.Module):
             a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
             cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
         keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
-        attn = attend(q, keys, values, meta, a.scale)
+        attn = attend(q, keys, values, meta, a.scale, ops.mask_bias)
         return ops.finish_layer(h, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
