@@ -111,6 +111,7 @@ class Engine:
         self.n = torch.zeros((), dtype=torch.long, device=self.device)  # committed length
         self._host_n = 0  # the same, known on the host after each round's sync
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # next bonus token
+        self._one = torch.ones(1, dtype=torch.long, device=self.device)  # ar's acceptance length
         self.buffers: dict[TreeBudget, RoundBuffers] = {}
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.back_graphs: dict[TreeBudget, torch.cuda.CUDAGraph] = {}
@@ -143,7 +144,9 @@ class Engine:
         bufs = self.buffers[budget]
         plan = self.tree_plans.get(budget)
         if budget == CHAIN:
-            bufs.store(build_chain(torch.argmax(logp, dim=-1), root))
+            # The chain's shape never changes (stored in prepare): only its tokens are written.
+            bufs.tokens[:1].copy_(root.reshape(1))
+            bufs.tokens[1:].copy_(torch.argmax(logp, dim=-1))
         elif plan is not None:
             plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
         else:
@@ -154,7 +157,7 @@ class Engine:
         bufs = self.buffers[budget]
         n, root = self.n, self.root
         if budget == AR:
-            bufs.store(single_node(root))
+            bufs.tokens.copy_(root.reshape(1))  # the one node's shape is stored in prepare
         else:
             self._build(budget, self._draft_logprobs(root, n, kv_len), root)
         tree = bufs.tree
@@ -171,6 +174,10 @@ class Engine:
         """Walk the tree with the choices, compact the KV cache, extend the drafter's context, write the summary."""
         bufs = self.buffers[budget]
         tree = bufs.tree
+        if budget == AR:
+            # One node, whose entries the verify already wrote at slot n: nothing to walk or move.
+            bufs.summary.copy_(torch.cat([self._one, tree.tokens[:1], bufs.choices[:1]]))
+            return
         result = self.walk_fn(tree, bufs.choices)
         keep = result.order[: bufs.keep]
         self.cache.compact(self.n, keep)
@@ -226,6 +233,11 @@ class Engine:
         size = tree_size(budget, self.block_size)
         keep = min(size, self.block_size or 1)
         self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype)
+        zero = torch.zeros((), dtype=torch.long, device=self.device)
+        if budget == AR:
+            self.buffers[budget].store(single_node(zero))
+        elif budget == CHAIN:
+            self.buffers[budget].store(build_chain(zero.expand(self.block_size - 1), zero))
         if self.fused_tree and budget not in (AR, CHAIN):
             from ddtree.kernels.tree_build import TreeBuildPlan  # imports Triton: only where it is used
 
