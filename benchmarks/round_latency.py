@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ddtree.bench.machine import git_revision
+from ddtree.bench.timing import median_replay_ms
 from ddtree.config import AR, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build_target_layer_ids
@@ -98,15 +99,7 @@ def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict
 
 def time_graph(engine: Engine, fn, reps: int = 20) -> float:
     graph, _ = engine._capture(fn)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return median_replay_ms(graph, reps)
 
 
 def stage_times(engine: Engine, budget) -> dict:

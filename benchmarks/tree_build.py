@@ -11,35 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from ddtree.bench.machine import git_revision
+from ddtree.bench.timing import median_replay_ms
+from ddtree.engine import capture_graph
 from ddtree.kernels.tree_build import TreeBuildPlan
 from ddtree.tree import build_tree
 
 
 def replay_us(fn, repeats: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    graph, _ = capture_graph(fn)
+    return median_replay_ms(graph, repeats) * 1000
 
 
 def main() -> None:

@@ -82,6 +82,19 @@ def tree_size(budget: TreeBudget, block_size: int) -> int:
     return int(budget) + 1
 
 
+def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `fn` once on a side stream (allocations, lazy compiles), then capture it -> (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
                  use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None,
@@ -194,14 +207,7 @@ class Engine:
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         """Warm `fn` up on a side stream, then capture it. fn must only write scratch state."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = fn()
+        graph, out = capture_graph(fn, self.graph_pool)
         torch.cuda.synchronize()  # intentional: capture happens once per graph, outside the round loop
         self.capture_seconds += time.perf_counter() - start
         return graph, out

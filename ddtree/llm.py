@@ -159,12 +159,17 @@ class LLM:
                 raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}", "prompt")
         return list(prompt)
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
-        """Validate everything about a request before any work; return its tree budget."""
-        params.validate()
+    def _budget(self, tree_budget: object) -> TreeBudget:
+        """The request's tree budget (None: the default), refused when it needs a missing drafter."""
         budget = self.default_budget if tree_budget is None else parse_tree_budget(tree_budget)
         if budget != AR and self.drafter is None:
             raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
+        return budget
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
+        """Validate everything about a request before any work; return its tree budget."""
+        params.validate()
+        budget = self._budget(tree_budget)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise DDTreeError(
@@ -179,10 +184,7 @@ class LLM:
     def warmup(self, tree_budget: object = None) -> None:
         """Allocate a budget's buffers and, on CUDA, capture all of its graphs now (otherwise a
         graph is captured the first time a request reaches its KV-length bucket)."""
-        budget = self.default_budget if tree_budget is None else parse_tree_budget(tree_budget)
-        if budget != AR and self.drafter is None:
-            raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
-        self.engine.capture_all(budget)
+        self.engine.capture_all(self._budget(tree_budget))
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""

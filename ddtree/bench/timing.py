@@ -1,0 +1,19 @@
+"""Device timing shared by the benchmark scripts."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, by CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
