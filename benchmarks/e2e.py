@@ -15,11 +15,10 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from ddtree.bench.machine import git_revision
+from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.datasets import load_prompts
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
@@ -88,8 +87,7 @@ def main() -> None:
         "rows": rows,
         "best_tree_budget": best and best["tree_budget"],
     }
-    out = Path(args.output or f"benchmarks/results/e2e_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.output, "e2e")
     out.write_text(json.dumps(result, indent=2))
     if best:
         print(f"best budget {best['tree_budget']}: x{best['speedup_vs_chain']:.2f} vs chain, x{best['speedup_vs_ar']:.2f} vs ar; wrote {out}")

@@ -15,11 +15,10 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from ddtree.bench.machine import git_revision
+from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.config import AR, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
@@ -177,8 +176,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "rows": rows,
     }
-    out = Path(args.output or f"benchmarks/results/round_latency_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.output, "round_latency")
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}; bandwidth {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from ddtree.bench.machine import git_revision
+from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
 from ddtree.kernels.tree_build import TreeBuildPlan
@@ -37,6 +36,7 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     rows = []
+    path = results_path(args.output, "tree_build")
     for vocab in map(int, args.vocabs.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(0)
         logp = torch.log_softmax(torch.randn(args.depths, vocab, device="cuda", generator=gen) * 4, dim=-1)
@@ -62,11 +62,9 @@ def main() -> None:
                                                     zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"benchmark": "tree_build", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "git_revision": git_revision(), "depths": args.depths, "rows": rows}
-    out = Path(args.output or f"benchmarks/results/tree_build_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+            result = {"benchmark": "tree_build", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "git_revision": git_revision(), "depths": args.depths, "rows": rows}
+            path.write_text(json.dumps(result, indent=2))  # after every row: a run cut short keeps its rows
 
 
 if __name__ == "__main__":

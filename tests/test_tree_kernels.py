@@ -31,7 +31,7 @@ def draft_logp(depths: int, vocab: int, seed: int, levels: int = 0, dead_from: i
     return torch.log_softmax(logits, dim=-1).to(DEVICE)
 
 
-def check(budget: int, depths: int, vocab: int, selection: str = "sort", **kw) -> None:
+def check(budget: int, depths: int, vocab: int, selection: str = "topk", **kw) -> None:
     logp = draft_logp(depths, vocab, **kw)
     root = torch.tensor(5, device=DEVICE)
     ref = build_tree(logp, root, budget)

@@ -8,6 +8,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -79,3 +80,11 @@ def model_fingerprint(model_dir: str | Path) -> str:
                 f.seek(max(size - FINGERPRINT_BYTES, FINGERPRINT_BYTES))
                 h.update(f.read())
     return h.hexdigest()[:16]
+
+
+def results_path(output: str | None, name: str) -> Path:
+    """Where a benchmark script writes its JSON: `output`, or benchmarks/results/<name>_<time>.json;
+    the folder is created."""
+    path = Path(output or f"benchmarks/results/{name}_{time.strftime('%Y%m%d_%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

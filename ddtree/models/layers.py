@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels import tree_attention
 from ddtree.models.configs import RopeConfig
 from ddtree.models.fused import mask_bias, rms_norm, rotate
 
@@ -90,23 +91,31 @@ class AttentionMeta:
     kv_len: int
     mask: torch.Tensor | None
     causal: bool = False
-    _bias: dict = field(default_factory=dict, repr=False)
+    _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
 
     def bias(self, group: int, dtype: torch.dtype, make=mask_bias) -> torch.Tensor:
-        """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping,
-        computed once per forward (by `make`: `fused.mask_bias`, compiled on CUDA) and shared by all layers."""
+        """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping (the
+        path without the Triton kernel), computed once per forward (by `make`: `fused.mask_bias`,
+        compiled on CUDA) and shared by all layers."""
         key = (group, dtype)
-        if key not in self._bias:
-            self._bias[key] = make(self.mask, group, dtype)
-        return self._bias[key]
+        if key not in self._shared:
+            self._shared[key] = make(self.mask, group, dtype)
+        return self._shared[key]
+
+    def key_range(self) -> torch.Tensor:
+        """`tree_attention.key_range(mask)` [N, 2], computed once per forward and shared by all layers."""
+        if "key_range" not in self._shared:
+            self._shared["key_range"] = tree_attention.key_range(self.mask)
+        return self._shared["key_range"]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
            make_bias=mask_bias) -> torch.Tensor:
     """q: [N, Hq, D]; k, v: [T, Hkv, D] (T = meta.kv_len). Returns [N, Hq * D].
 
-    With a mask, the query heads that share a KV head are stacked along the query axis
-    ([Hkv, group * N, D]) so that keys and values are read once per KV head, never copied.
+    With a mask on CUDA: `kernels.tree_attention` (keys split across the GPU). Elsewhere the query
+    heads that share a KV head are stacked along the query axis ([Hkv, group * N, D]) so that keys
+    and values are read once per KV head, never copied, with the mask as an additive bias.
     """
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -117,6 +126,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, N, D]
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=group > 1)
         return out[0].transpose(0, 1).reshape(n, hq * d)
+    if q.is_cuda and tree_attention.supported(q, k):
+        return tree_attention.masked_attention(q, k, v, meta.mask, scale, meta.key_range())
     qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
     bias = meta.bias(group, q.dtype, make_bias)[None, None]
     out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=bias, scale=scale)  # [1, Hkv, group * N, D]

@@ -1,0 +1,92 @@
+"""Tilings of `ddtree.kernels.tree_attention` at Qwen3-8B's head layout (32 query / 8 KV heads,
+head_dim 128, bf16), against PyTorch's masked attention, for the token counts of a round.
+
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--output FILE.json]
+
+For each N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block is 16) over a
+512-token context plus the tree, with the KV length rounded up to the engine's 256-slot bucket:
+microseconds per call (CUDA-graph replay of 10 calls) of every tiling, of the default one, and
+of `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
+replaced). Prints the fastest tiling per N.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.bench.machine import git_revision, results_path
+from ddtree.bench.timing import median_replay_ms
+from ddtree.engine import capture_graph
+from ddtree.kernels.tree_attention import DEFAULT, AttentionConfig, key_range, masked_attention
+from ddtree.tree import build_tree
+
+CONTEXT, BUCKET, HQ, HKV, D = 512, 256, 32, 8, 128
+
+
+def call_us(fn) -> float:
+    graph, _ = capture_graph(lambda: [fn() for _ in range(10)])
+    return median_replay_ms(graph, 20) * 100
+
+
+def case(n: int):
+    kv_len = -(-(CONTEXT + n) // BUCKET) * BUCKET
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(n, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cache = torch.randn(2, kv_len, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    logp = torch.log_softmax(torch.randn(15, 1000, device="cuda", generator=gen), dim=-1)
+    tree = build_tree(logp, torch.tensor(1, device="cuda"), n - 1) if n > 1 else None
+    mask = torch.zeros(n, kv_len, dtype=torch.bool, device="cuda")
+    mask[:, :CONTEXT] = True
+    mask[:, CONTEXT:CONTEXT + n] = tree.visible if tree is not None else True
+    return q, cache[0], cache[1], mask
+
+
+def sdpa_us(q, k, v, mask) -> float:
+    n = q.shape[0]
+    group = HQ // HKV
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device="cuda").masked_fill(~mask, float("-inf")).repeat(group, 1)
+
+    def fn():
+        qg = q.view(n, HKV, group, D).permute(1, 2, 0, 3).reshape(1, HKV, group * n, D)
+        out = F.scaled_dot_product_attention(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=bias[None, None], scale=D**-0.5)
+        return out.view(HKV, group, n, D).permute(2, 0, 1, 3).reshape(n, HQ * D)
+    return call_us(fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
+               for m, bn, p, w, st in itertools.product((0, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
+    rows = []
+    for n in map(int, args.tokens.split(",")):
+        q, k, v, mask = case(n)
+        ranges = key_range(mask)
+        row = {"tokens": n, "kv_len": k.shape[0], "sdpa_us": sdpa_us(q, k, v, mask),
+               "default_us": call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges)), "configs": []}
+        for cfg in configs:
+            if cfg.block_m == 128 and n * (HQ // HKV) <= 64:
+                continue
+            row["configs"].append({**cfg.__dict__, "us": call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges,
+                                                                                          config=cfg))})
+        best = min(row["configs"], key=lambda c: c["us"])
+        row["best"] = best
+        rows.append(row)
+        print(f"N={n:5d} kv {k.shape[0]:5d}  sdpa {row['sdpa_us']:7.1f} us  default {row['default_us']:7.1f} us  "
+              f"best {best['us']:7.1f} us {best}", flush=True)
+    result = {"benchmark": "attention_configs", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "git_revision": git_revision(), "default": DEFAULT.__dict__, "rows": rows}
+    out = results_path(args.output, "attention_configs")
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()

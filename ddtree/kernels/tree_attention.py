@@ -1,0 +1,213 @@
+"""Masked attention of a few new tokens over a cached context, as one Triton kernel (plus a
+combine when the keys are split): the verify of a tree, an autoregressive step, the drafter's block.
+
+PyTorch's attention with a boolean/additive mask gives each (KV head, 64-row query tile) one
+program that walks every key: at Qwen3-8B shape that is 8 programs for an autoregressive step
+(27 us per layer, 1.0 ms per forward, where reading the keys takes a few microseconds). Here:
+
+- rows are (token, query head of the KV head's group) pairs, read straight from q [N, Hq, D], so
+  the keys and values of a KV head are read once for its whole group, with no copies in or out;
+- the keys are split across programs (flash-decoding) until the GPU is full, and a second kernel
+  combines the splits' partial softmax sums;
+- the mask is the engine's boolean [N, kv_len] (context, tree block, padding), read as bytes,
+  and each program skips the key blocks none of its rows sees (`key_range`).
+
+Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.14 ms of attention per one-token forward; at 257
+tokens 39.3 us per layer for PyTorch's path, 24.4 us here (benchmarks/README.md).
+
+Exact attention (online softmax in float32); it differs from PyTorch's only in summation order.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTorch's attention
+    triton = None
+
+COMBINE_ROWS = 16  # rows per program of the split combine (small: many programs, each a few loads)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel handles these shapes: head_dim a power of two in [16, 256], whole GQA groups."""
+    d = q.shape[-1]
+    return (triton is not None and d >= 16 and d <= 256 and d & (d - 1) == 0
+            and q.shape[1] % k.shape[1] == 0 and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter (tests): enough to exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tiling of the kernel. `block_m`: query rows per program (0: the smallest of 16/32/64 that
+    holds all rows); `programs_per_sm`: keys are split until about this many programs per SM."""
+
+    block_m: int = 0
+    block_n: int = 64
+    programs_per_sm: int = 2
+    num_warps: int = 4
+    num_stages: int = 2  # H200: the fastest of 48 tilings at N = 1, 65, 129, 257, 513; within 6% at 17, 1025
+
+
+DEFAULT = AttentionConfig()
+
+
+def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfig = DEFAULT) -> tuple[int, int]:
+    """(query rows per program, key splits) for `rows` = N x group rows per KV head: splits are
+    added until about `programs_per_sm` programs per SM, each split keeping at least one key block."""
+    block_m = config.block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64)
+    programs = triton.cdiv(rows, block_m) * kv_heads
+    key_blocks = triton.cdiv(kv_len, config.block_n)
+    splits = max(1, min(key_blocks, triton.cdiv(config.programs_per_sm * sms, programs)))
+    return block_m, splits
+
+
+def key_range(mask: torch.Tensor) -> torch.Tensor:
+    """mask [N, T] bool -> [N, 2] int32: each query's first visible key and last visible key + 1.
+    Computed once per forward and shared by all layers; a program skips the key blocks outside
+    the union of its queries' ranges (a tree's later nodes and the KV bucket's padding)."""
+    cols = torch.arange(mask.shape[1], device=mask.device, dtype=torch.int32)
+    first = torch.where(mask, cols, mask.shape[1]).amin(1)
+    last = torch.where(mask, cols, -1).amax(1) + 1
+    return torch.stack([first, last], dim=1).to(torch.int32)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     ranges: torch.Tensor | None = None, splits: int | None = None,
+                     config: AttentionConfig = DEFAULT) -> torch.Tensor:
+    """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one); mask [N, T] bool (True:
+    query i sees key j; every row sees at least one key); ranges: `key_range(mask)` when already
+    computed -> out [N, Hq * D] in q's dtype. `splits` overrides the key split (tests), `config`
+    the tiling (benchmarks/attention_configs.py)."""
+    n, hq, d = q.shape
+    t, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    rows = n * group
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    ranges = key_range(mask) if ranges is None else ranges
+    mask = mask.contiguous().view(torch.uint8)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    block_n = config.block_n
+    block_m, auto_splits = plan(rows, hkv, t, _sm_count(q.device), config)
+    splits = auto_splits if splits is None else max(1, min(splits, triton.cdiv(t, block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(t, splits), block_n) * block_n
+    splits = triton.cdiv(t, keys_per_split)
+    grid = (triton.cdiv(rows, block_m), hkv, splits)
+    if splits > 1:
+        part_o = torch.empty(splits, hkv, rows, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, hkv, rows, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, rows, t, keys_per_split, scale * 1.4426950408889634,
+                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
+                     out.stride(0), out.stride(1),
+                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, PRECISION=precision,
+                     LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        _combine[(triton.cdiv(rows, COMBINE_ROWS), hkv)](part_o, part_ml, out, rows, hkv, out.stride(0), out.stride(1),
+                                                          SPLITS=splits, GROUP=group, D=d, BLOCK_M=COMBINE_ROWS,
+                                                          num_warps=4)
+    return out.view(n, hq * d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
+              sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Keys [j, j + BLOCK_N) into the running max m_i, denominator l_i and sum acc (online softmax)."""
+        cols = j + tl.arange(0, BLOCK_N)
+        inside = cols < end
+        k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :], mask=inside[:, None], other=0.0)
+        seen = tl.load(mask_ptr + tok[:, None] * sm_n + cols[None, :], mask=live[:, None] & inside[None, :], other=0)
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        logits = tl.where(seen != 0, logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+        p = tl.exp2(logits - base[:, None])
+        alpha = tl.exp2(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None] * sv_t + h * sv_h + dims[None, :], mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, out_ptr, part_o_ptr, part_ml_ptr, rows, kv_len, keys_per_split,
+                   scale_log2, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
+                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+        """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
+        against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the normalised output, or (SPLIT) the split's
+        unnormalised sum and its running max and denominator (base-2 logits)."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        live = r < rows
+        tok = r // GROUP
+        head = h * GROUP + r % GROUP
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + tok[:, None] * sq_n + head[:, None] * sq_h + dims[None, :], mask=live[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        first = tl.min(tl.load(range_ptr + tok * 2, mask=live, other=kv_len), 0)
+        last = tl.max(tl.load(range_ptr + tok * 2 + 1, mask=live, other=0), 0)
+        # key blocks stay aligned to BLOCK_N, so skipping never changes how the sums are grouped
+        start = tl.maximum(s * keys_per_split, (first // BLOCK_N) * BLOCK_N)
+        end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
+        if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
+            j = start
+            while j < end:
+                m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
+                                      sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION)
+                j += BLOCK_N
+        else:
+            for j in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
+                                      sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION)
+        if SPLIT:
+            at = (s * tl.num_programs(1) + h) * rows + r
+            tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])
+            tl.store(part_ml_ptr + at * 2, m_i, mask=live)
+            tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
+        else:
+            out = acc / tl.where(live, l_i, 1.0)[:, None]
+            tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine(part_o_ptr, part_ml_ptr, out_ptr, rows, kv_heads, so_n, so_h, SPLITS: tl.constexpr,
+                 GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Program (row block, KV head): the splits' partial sums -> the normalised output."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.program_id(1)
+        live = r < rows
+        dims = tl.arange(0, D)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(SPLITS):
+            top = tl.maximum(top, tl.load(part_ml_ptr + ((s * kv_heads + h) * rows + r) * 2, mask=live, other=0.0))
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(SPLITS):
+            at = (s * kv_heads + h) * rows + r
+            w = tl.exp2(tl.load(part_ml_ptr + at * 2, mask=live, other=0.0) - top)  # a split that saw nothing: 0
+            total += w * tl.load(part_ml_ptr + at * 2 + 1, mask=live, other=0.0)
+            acc += w[:, None] * tl.load(part_o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+        out = acc / tl.where(live, total, 1.0)[:, None]
+        tok = r // GROUP
+        head = h * GROUP + r % GROUP
+        tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])

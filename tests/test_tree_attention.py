@@ -1,0 +1,116 @@
+"""`kernels.tree_attention.masked_attention` equals PyTorch's attention with the same mask: tree,
+causal-block and padding masks, GQA groups, with and without the key split (and splits that see
+no key at all). On the CPU in Triton's interpreter (small shapes); on a GPU also at Qwen3-8B's
+head layout in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
+from ddtree.kernels.tree_attention import key_range, masked_attention, plan  # noqa: E402
+from ddtree.tree import build_tree  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def reference(q, k, v, mask, scale):
+    """float64 attention with the query heads grouped onto their KV heads -> [N, Hq * D]."""
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
+    vv = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    logits = torch.einsum("nhd,htd->hnt", q.double(), kk) * scale
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    out = torch.einsum("hnt,htd->nhd", F.softmax(logits, dim=-1), vv)
+    return out.reshape(n, hq * d)
+
+
+def tree_mask(n: int, context: int, kv_len: int, seed: int) -> torch.Tensor:
+    """[n, kv_len]: the whole context, then the ancestor-only visibility of a random tree of n
+    nodes, then False padding columns."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(8, 50, generator=gen), dim=-1)
+    tree = build_tree(logp, torch.tensor(1), n - 1)
+    mask = torch.zeros(n, kv_len, dtype=torch.bool)
+    mask[:, :context] = True
+    mask[:, context:context + n] = tree.visible
+    return mask
+
+
+def inputs(n, hq, hkv, d, kv_len, dtype, seed, strided_cache=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, d, generator=gen)
+    if strided_cache:  # a slice of a [layers, slots, Hkv, D] cache, as the engine passes it
+        cache = torch.randn(3, kv_len + 40, hkv, d, generator=gen)
+        k, v = cache[1, :kv_len], cache[2, :kv_len]
+    else:
+        k, v = torch.randn(kv_len, hkv, d, generator=gen), torch.randn(kv_len, hkv, d, generator=gen)
+    return [t.to(DEVICE, dtype) for t in (q, k, v)]
+
+
+SMALL = [  # n, Hq, Hkv, D, context, kv_len (>= context + n: the rest is padding)
+    (1, 4, 2, 16, 37, 38),
+    (5, 4, 2, 32, 20, 64),
+    (17, 4, 1, 16, 70, 100),
+    (9, 2, 2, 16, 130, 140),
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,context,kv_len", SMALL)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_equals_reference_small(n, hq, hkv, d, context, kv_len, splits):
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + kv_len, strided_cache=n % 2 == 1)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    got = masked_attention(q, k, v, mask, d**-0.5, splits=splits)
+    assert got.shape == (n, hq * d) and got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_key_range():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    assert key_range(mask).tolist() == [[1, 3], [0, 5], [3, 4]]
+
+
+def test_sliding_window_rows_skip_the_early_keys():
+    """Each query sees only a window of 30 keys ending at its own position (the drafter's sliding
+    layers): programs start past the key blocks none of their rows sees."""
+    n, kv_len = 20, 300
+    q, k, v = inputs(n, 4, 2, 16, kv_len, torch.float32, seed=3)
+    own = 250 + torch.arange(n)
+    cols = torch.arange(kv_len)
+    mask = ((cols[None, :] <= own[:, None]) & (cols[None, :] > own[:, None] - 30)).to(DEVICE)
+    for splits in (1, 2, 5):
+        got = masked_attention(q, k, v, mask, 0.25, splits=splits)
+        torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.25).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_split_that_sees_nothing():
+    """Keys split four ways where every query sees only the last 10 keys: three splits see
+    nothing, and must not contribute (or turn the output into NaN)."""
+    n, kv_len = 3, 200
+    q, k, v = inputs(n, 4, 2, 16, kv_len, torch.float32, seed=1)
+    mask = torch.zeros(n, kv_len, dtype=torch.bool, device=DEVICE)
+    mask[:, -10:] = True
+    got = masked_attention(q, k, v, mask, 0.25, splits=4)
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.25).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_plan_fills_the_gpu_with_splits():
+    assert plan(rows=4, kv_heads=8, kv_len=513, sms=132) == (16, 9)  # one key block per split
+    assert plan(rows=4, kv_heads=8, kv_len=8192, sms=132) == (16, 33)
+    block_m, splits = plan(rows=257 * 4, kv_heads=8, kv_len=769, sms=132)
+    assert block_m == 64 and splits == 2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("n", [1, 17, 65, 129, 257, 1025])
+def test_qwen3_heads_bf16(n):
+    context = 512
+    kv_len = context + n + 30
+    q, k, v = inputs(n, 32, 8, 128, kv_len, torch.bfloat16, seed=n, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    got = masked_attention(q, k, v, mask, 128**-0.5)
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, 128**-0.5), atol=2e-2, rtol=2e-2)
