@@ -5,7 +5,7 @@ of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Q
 
 Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
 for each selection variant of the Triton build ("sort", "topk"), and whether each output is
-identical to `build_tree`'s.
+identical to `build_tree`'s; with --launches, also each of its four kernel launches alone.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--vocabs", default="8192,151936")
     ap.add_argument("--depths", type=int, default=15)
     ap.add_argument("--selections", default="sort,topk", help="the Triton build's selection variants to time")
+    ap.add_argument("--launches", action="store_true", help="also time each of the build's four kernel launches alone")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     rows = []
@@ -58,6 +59,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 row[f"{selection}_first_call_s"] = time.perf_counter() - t  # Triton compile
                 row[f"{selection}_us"] = replay_us(lambda: plan.build(logp, root, *out))
+                if args.launches:
+                    for name, launch in plan.launches(logp, root, *out):
+                        row[f"{selection}_{name}_us"] = replay_us(launch)
                 row[f"{selection}_identical"] = all(torch.equal(a, b) for a, b in
                                                     zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
             rows.append(row)

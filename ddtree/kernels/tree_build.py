@@ -83,22 +83,40 @@ class TreeBuildPlan:
               depths: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> None:
         """logp [D, V] float32, root [] long -> writes tokens/parents/depths [N] long, valid [N] bool,
         visible [N, N] bool (N = B + 1) exactly as `build_tree` would return them."""
+        for _, launch in self.launches(logp, root, tokens, parents, depths, valid, visible):
+            launch()
+
+    def launches(self, logp, root, tokens, parents, depths, valid, visible) -> list[tuple[str, object]]:
+        """The build's four kernel launches in order, as (name, zero-argument function): `build`
+        runs them; benchmarks/tree_build.py times each one alone."""
         d, v, b = self.depth_count, self.vocab, self.budget
         logp = logp.contiguous()
-        _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
-                                       CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, num_warps=8)
-        _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
-                          MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk, num_warps=8)
-        _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
-                      self.level_score, self.level_parent, self.level_token, self.node_of,
-                      tokens, parents, depths, valid.view(torch.uint8),
-                      D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
-                      IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), TOPK=self.topk,
-                      num_warps=self.select_warps)
         n = b + 1
         rows = 8
-        _visible[(triton.cdiv(n, rows),)](parents, visible.view(torch.uint8), n, NP=_pow2(n), RB=rows,
-                                          D=d, num_warps=4)
+
+        def rank_chunks():
+            _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
+                                           CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, num_warps=8)
+
+        def rank_merge():
+            _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
+                              MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
+                              num_warps=8)
+
+        def select():
+            _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
+                          self.level_score, self.level_parent, self.level_token, self.node_of,
+                          tokens, parents, depths, valid.view(torch.uint8),
+                          D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
+                          IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), TOPK=self.topk,
+                          num_warps=self.select_warps)
+
+        def write_visible():
+            _visible[(triton.cdiv(n, rows),)](parents, visible.view(torch.uint8), n, NP=_pow2(n), RB=rows,
+                                              D=d, num_warps=4)
+
+        return [("rank_chunks", rank_chunks), ("rank_merge", rank_merge), ("select", select),
+                ("visible", write_visible)]
 
 
 def _bits(count: int) -> int:
