@@ -12,8 +12,9 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
 - the mask is the engine's boolean [N, kv_len] (context, tree block, padding), read as bytes,
   and each program skips the key blocks none of its rows sees (`key_range`).
 
-Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.14 ms of attention per one-token forward; at 257
-tokens 39.3 us per layer for PyTorch's path, 24.4 us here (benchmarks/README.md).
+Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.27 ms of attention (0.14 + 0.13 for the combine)
+per one-token forward; at 257 tokens 39.3 us per layer for PyTorch's path, 24.4 us here
+(benchmarks/README.md).
 
 Exact attention (online softmax in float32); it differs from PyTorch's only in summation order.
 """
