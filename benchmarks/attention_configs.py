@@ -1,13 +1,16 @@
 """Tilings of `ddtree.kernels.tree_attention` at Qwen3-8B's head layout (32 query / 8 KV heads,
 head_dim 128, bf16), against PyTorch's masked attention, for the token counts of a round.
 
-    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--output FILE.json]
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|combine]
+        [--output FILE.json]
 
 For each N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block is 16) over a
 512-token context plus the tree, with the KV length rounded up to the engine's 256-slot bucket:
 microseconds per call (CUDA-graph replay of 10 calls) of every tiling, of the default one, and
 of `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
-replaced). Prints the fastest tiling per N.
+replaced). Prints the fastest tiling per N. `--sweep tilings` (the default) tries 48 tilings;
+`--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
+at 1, 2 and 4 programs per SM.
 """
 from __future__ import annotations
 
@@ -61,10 +64,15 @@ def sdpa_us(q, k, v, mask) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
+    ap.add_argument("--sweep", choices=("tilings", "combine"), default="tilings")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
-               for m, bn, p, w, st in itertools.product((0, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
+    if args.sweep == "tilings":
+        configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
+                   for m, bn, p, w, st in itertools.product((0, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
+    else:
+        configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold)
+                   for p, fold in itertools.product((1, 2, 4), (True, False))]
     rows = []
     for n in map(int, args.tokens.split(",")):
         q, k, v, mask = case(n)

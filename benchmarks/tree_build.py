@@ -1,11 +1,14 @@
 """The tree build alone: `ddtree.tree.build_tree` (PyTorch operators) against the Triton kernels
 of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Qwen3 vocabularies.
 
-    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--output FILE.json]
+    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--launches]
+        [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
 
 Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
 for each selection variant of the Triton build ("sort", "topk"), and whether each output is
-identical to `build_tree`'s; with --launches, also each of its four kernel launches alone.
+identical to `build_tree`'s; with --launches, also each of its four kernel launches alone. With
+--rank-warps / --select-warps, every combination of the two is timed as its own variant
+(`topk_r8_s16_us`, ...); without them, the plan's defaults.
 """
 from __future__ import annotations
 
@@ -27,6 +30,24 @@ def replay_us(fn, repeats: int = 50) -> float:
     return median_replay_ms(graph, repeats) * 1000
 
 
+def time_plan(plan: TreeBuildPlan, name: str, logp, root, ref, launches: bool) -> dict:
+    """{name}_us (the whole build), first-call seconds, per-launch times, identical to `ref`."""
+    n = plan.budget + 1
+    out = [torch.empty(n, dtype=torch.long, device="cuda") for _ in range(3)] + \
+          [torch.empty(n, dtype=torch.bool, device="cuda"), torch.empty(n, n, dtype=torch.bool, device="cuda")]
+    t = time.perf_counter()
+    plan.build(logp, root, *out)
+    torch.cuda.synchronize()
+    row = {f"{name}_first_call_s": time.perf_counter() - t,  # Triton compile
+           f"{name}_us": replay_us(lambda: plan.build(logp, root, *out))}
+    if launches:
+        for launch_name, launch in plan.launches(logp, root, *out):
+            row[f"{name}_{launch_name}_us"] = replay_us(launch)
+    row[f"{name}_identical"] = all(torch.equal(a, b) for a, b in
+                                   zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budgets", default="16,32,64,128,256,512,1024")
@@ -34,6 +55,8 @@ def main() -> None:
     ap.add_argument("--depths", type=int, default=15)
     ap.add_argument("--selections", default="sort,topk", help="the Triton build's selection variants to time")
     ap.add_argument("--launches", action="store_true", help="also time each of the build's four kernel launches alone")
+    ap.add_argument("--rank-warps", default=None, help="warps per rank program to try, e.g. 4,8,16")
+    ap.add_argument("--select-warps", default=None, help="warps of the select program to try, e.g. 4,8,16")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     rows = []
@@ -46,24 +69,18 @@ def main() -> None:
             ref = build_tree(logp, root, budget)
             torch_us = replay_us(lambda: build_tree(logp, root, budget))
             row = {"vocab": vocab, "budget": budget, "torch_us": torch_us}
+            warps = [(None, None)]
+            if args.rank_warps or args.select_warps:
+                warps = [(int(r), int(w)) for r in (args.rank_warps or "8").split(",")
+                         for w in (args.select_warps or "8").split(",")]
             for selection in args.selections.split(","):
-                plan = TreeBuildPlan(budget, args.depths, vocab, "cuda", selection=selection)
-                row[f"{selection}_supported"] = plan.supported
-                if not plan.supported:
-                    continue
-                n = budget + 1
-                out = [torch.empty(n, dtype=torch.long, device="cuda") for _ in range(3)] + \
-                      [torch.empty(n, dtype=torch.bool, device="cuda"), torch.empty(n, n, dtype=torch.bool, device="cuda")]
-                t = time.perf_counter()
-                plan.build(logp, root, *out)
-                torch.cuda.synchronize()
-                row[f"{selection}_first_call_s"] = time.perf_counter() - t  # Triton compile
-                row[f"{selection}_us"] = replay_us(lambda: plan.build(logp, root, *out))
-                if args.launches:
-                    for name, launch in plan.launches(logp, root, *out):
-                        row[f"{selection}_{name}_us"] = replay_us(launch)
-                row[f"{selection}_identical"] = all(torch.equal(a, b) for a, b in
-                                                    zip(out, [ref.tokens, ref.parents, ref.depths, ref.valid, ref.visible]))
+                for rank_warps, select_warps in warps:
+                    name = selection if rank_warps is None else f"{selection}_r{rank_warps}_s{select_warps}"
+                    plan = TreeBuildPlan(budget, args.depths, vocab, "cuda", selection=selection,
+                                         rank_warps=rank_warps or 8, select_warps=select_warps)
+                    row[f"{name}_supported"] = plan.supported
+                    if plan.supported:
+                        row.update(time_plan(plan, name, logp, root, ref, args.launches))
             rows.append(row)
             print(json.dumps(row), flush=True)
             result = {"benchmark": "tree_build", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

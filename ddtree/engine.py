@@ -106,6 +106,8 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         compiled = compile_layers if compile_layers is not None else self.use_graphs
+        if drafter is not None:
+            drafter.fuse_projections()  # one matmul for q/k/v, one for every layer's context k/v
         if compiled:
             target.use_compiled()
             if drafter is not None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.kernels import kv_write
+
 
 class KVCache:
     """Keys and values for every layer: `k`, `v` are [layers, slots, kv_heads, head_dim].
@@ -20,10 +22,26 @@ class KVCache:
         return self.k.shape[1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
-        """Store k, v [N, kv_heads, head_dim] at `slots` [N]; return this layer's keys and values [kv_len, ...]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Store k, v [N, kv_heads, head_dim] at `slots` [N]; return this layer's keys and values [kv_len, ...].
+        On CUDA one Triton launch (`kernels.kv_write`) reads k and v in place; elsewhere `index_copy_`."""
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        if k.is_cuda and kv_write.supported(cache_k, k):
+            kv_write.write_kv(cache_k, cache_v, slots, k, v)
+        else:
+            cache_k.index_copy_(0, slots, k)
+            cache_v.index_copy_(0, slots, v)
         return self.k[layer, :kv_len], self.v[layer, :kv_len]
+
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [N, layers, kv_heads, head_dim] (every layer's entries of N tokens) at `slots` [N]."""
+        if k.shape[1] != self.k.shape[0]:
+            raise ValueError(f"entries for {k.shape[1]} layers, the cache has {self.k.shape[0]}")
+        if k.is_cuda and kv_write.supported(self.k, k):
+            kv_write.write_kv(self.k, self.v, slots, k, v)
+        else:
+            for layer in range(k.shape[1]):
+                self.k[layer].index_copy_(0, slots, k[:, layer])
+                self.v[layer].index_copy_(0, slots, v[:, layer])
 
     def compact(self, start: int | torch.Tensor, order: torch.Tensor) -> None:
         """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.

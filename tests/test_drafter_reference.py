@@ -101,9 +101,16 @@ def pair(request, tmp_path_factory) -> Pair:
 
 
 @torch.no_grad()
-def test_drafter_equals_reference_over_two_rounds(pair: Pair):
+@pytest.mark.parametrize("fused", [False, True])
+def test_drafter_equals_reference_over_two_rounds(pair: Pair, fused: bool):
     """Round 1: context = a 13-token prompt. Round 2: 5 more committed tokens appended to the
-    context (the cached keys of round 1 are reused on both sides)."""
+    context (the cached keys of round 1 are reused on both sides). `fused`: the engine's layout
+    (`fuse_projections`: one q/k/v matmul per layer, one context k/v matmul for all layers)."""
+    drafter = pair.drafter
+    if fused:
+        drafter = load_drafter(pair.draft_dir, TargetConfig.from_dir(pair.target_dir), "cpu", torch.float32, MAX_POS)
+        drafter.fuse_projections()
+        assert drafter.context_kv is not None and drafter.layers[0].self_attn.qkv_weight is not None
     gen = torch.Generator().manual_seed(0)
     p, a = 13, 5
     seq = torch.randint(0, pair.drafter.config.vocab_size - 1, (p + a + 1,), generator=gen)
@@ -114,7 +121,7 @@ def test_drafter_equals_reference_over_two_rounds(pair: Pair):
 
     ref, b = pair.ref, pair.block
     ref_cache = dflash_model._make_cache(ref.config)
-    our_cache = pair.drafter.new_cache(MAX_POS, "cpu", torch.float32)
+    our_cache = drafter.new_cache(MAX_POS, "cpu", torch.float32)
     our_cache.k.normal_(generator=gen)  # stale garbage must never be read
     our_cache.v.normal_(generator=gen)
 
@@ -126,12 +133,12 @@ def test_drafter_equals_reference_over_two_rounds(pair: Pair):
         dflash_model._crop_to(ref_cache, n)
         ref_logits = ref.compute_logits(ref_hidden, pair.hf.lm_head)
 
-        pair.drafter.append_context(our_feats[ctx_from:n], torch.arange(ctx_from, n), our_cache)
+        drafter.append_context(our_feats[ctx_from:n], torch.arange(ctx_from, n), our_cache)
         # `pad` extra key columns past the block: the engine reads a padded length when a tree is
         # larger than the block; those columns must be invisible.
-        metas = pair.drafter.block_metas(torch.tensor(n), b, n + b + pad)
-        hidden = pair.drafter(pair.target.embed_tokens(block), metas, our_cache)
-        logits = pair.drafter.logits(hidden, pair.target.lm_head)
+        metas = drafter.block_metas(torch.tensor(n), b, n + b + pad)
+        hidden = drafter(pair.target.embed_tokens(block), metas, our_cache)
+        logits = drafter.logits(hidden, pair.target.lm_head)
 
         assert rel_err(hidden, ref_hidden) < REL_TOL, f"hidden, context length {n}"
         assert rel_err(logits, ref_logits) < REL_TOL, f"logits, context length {n}"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
-from ddtree.kernels.tree_attention import key_range, masked_attention, plan  # noqa: E402
+from ddtree.kernels.tree_attention import AttentionConfig, key_range, masked_attention, plan  # noqa: E402
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -69,6 +69,19 @@ def test_equals_reference_small(n, hq, hkv, d, context, kv_len, splits):
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("splits", [2, 5, 9])
+def test_split_combine_in_kernel_or_launched(fold, splits):
+    """The split combine done by each row block's last split (default) or as its own launch, over
+    split counts around the combine's grouped loads; repeated calls find the arrival counters zeroed."""
+    n, hq, hkv, d, context, kv_len = 6, 4, 2, 16, 300, 320
+    mask = tree_mask(n, context, kv_len, seed=2).to(DEVICE)
+    for seed in range(2):
+        q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=seed)
+        got = masked_attention(q, k, v, mask, d**-0.5, splits=splits, config=AttentionConfig(fold_combine=fold))
+        torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
 def test_key_range():
     mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1], [0, 0, 0, 1, 0]], dtype=torch.bool)
     assert key_range(mask).tolist() == [[1, 3], [0, 5], [3, 4]]
@@ -106,11 +119,24 @@ def test_plan_fills_the_gpu_with_splits():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("n", [1, 17, 65, 129, 257, 1025])
-def test_qwen3_heads_bf16(n):
+def test_qwen3_heads_bf16(n, fold):
     context = 512
     kv_len = context + n + 30
     q, k, v = inputs(n, 32, 8, 128, kv_len, torch.bfloat16, seed=n, strided_cache=True)
     mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    want = reference(q, k, v, mask, 128**-0.5)
+    for _ in range(3):  # many programs race to the arrival counters: every repeat must combine right
+        got = masked_attention(q, k, v, mask, 128**-0.5, config=AttentionConfig(fold_combine=fold))
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_long_context_many_splits_bf16():
+    """An autoregressive step over 8000 cached keys: 33 splits per row block, combined in the kernel."""
+    kv_len = 8000
+    q, k, v = inputs(1, 32, 8, 128, kv_len, torch.bfloat16, seed=5, strided_cache=True)
+    mask = torch.ones(1, kv_len, dtype=torch.bool, device=DEVICE)
     got = masked_attention(q, k, v, mask, 128**-0.5)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, 128**-0.5), atol=2e-2, rtol=2e-2)

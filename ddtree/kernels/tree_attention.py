@@ -1,5 +1,4 @@
-"""Masked attention of a few new tokens over a cached context, as one Triton kernel (plus a
-combine when the keys are split): the verify of a tree, an autoregressive step, the drafter's block.
+"""Masked attention of a few new tokens over a cached context, as one Triton kernel: the verify of a tree, an autoregressive step, the drafter's block.
 
 PyTorch's attention with a boolean/additive mask gives each (KV head, 64-row query tile) one
 program that walks every key: at Qwen3-8B shape that is 8 programs for an autoregressive step
@@ -7,13 +6,14 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
 
 - rows are (token, query head of the KV head's group) pairs, read straight from q [N, Hq, D], so
   the keys and values of a KV head are read once for its whole group, with no copies in or out;
-- the keys are split across programs (flash-decoding) until the GPU is full, and a second kernel
-  combines the splits' partial softmax sums;
+- the keys are split across programs (flash-decoding) until the GPU is full; the last split of
+  each row block to finish (an arrival counter) combines the splits' partial softmax sums, so a
+  split costs no second launch (when the partials are few; else a combine kernel does it);
 - the mask is the engine's boolean [N, kv_len] (context, tree block, padding), read as bytes,
   and each program skips the key blocks none of its rows sees (`key_range`).
 
-Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.27 ms of attention (0.14 + 0.13 for the combine)
-per one-token forward; at 257 tokens 39.3 us per layer for PyTorch's path, 24.4 us here
+Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
+combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
 (benchmarks/README.md).
 
 Exact attention (online softmax in float32); it differs from PyTorch's only in summation order.
@@ -32,7 +32,12 @@ try:
 except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTorch's attention
     triton = None
 
-COMBINE_ROWS = 16  # rows per program of the split combine (small: many programs, each a few loads)
+COMBINE_LOADS = 8192  # float32 partial-sum elements the combine loads at once (UNROLL splits of [BLOCK_M, D])
+# The last split combines in the kernel only while it reads at most this many partial rows
+# (block_m x splits): H200, Qwen3-8B heads, per layer: N = 1 (16 x 12) 8.6 -> 5.9 us, N = 257
+# (64 x 2) 25.3 -> 24.3; but N = 17 (64 x 12) 13.5 -> 22.7, one program reading them all.
+FOLD_MAX_PARTIALS = 512
+MAX_SPLIT_TILES = 4096  # (row block, KV head) tiles of one split launch: splitting stops at a few programs per SM
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -60,6 +65,7 @@ class AttentionConfig:
     programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2  # H200: the fastest of 48 tilings at N = 1, 65, 129, 257, 513; within 6% at 17, 1025
+    fold_combine: bool = True  # the last split combines (no second launch) when FOLD_MAX_PARTIALS allows
 
 
 DEFAULT = AttentionConfig()
@@ -73,6 +79,22 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
     key_blocks = triton.cdiv(kv_len, config.block_n)
     splits = max(1, min(key_blocks, triton.cdiv(config.programs_per_sm * sms, programs)))
     return block_m, splits
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 [MAX_SPLIT_TILES] of zeros: how many splits of each tile have finished in
+    the running launch (each launch leaves them at zero). Made on the first split launch, which
+    runs eagerly (graph capture is preceded by an eager run); launches on one stream at a time."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{tiles} split tiles exceed {MAX_SPLIT_TILES}; lower programs_per_sm")
+    if device not in _ARRIVALS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("tree attention's first split launch must run before graph capture")
+        _ARRIVALS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
 
 
 def key_range(mask: torch.Tensor) -> torch.Tensor:
@@ -109,18 +131,26 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if splits > 1:
         part_o = torch.empty(splits, hkv, rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, hkv, rows, 2, dtype=torch.float32, device=q.device)
-    else:
+    fold = splits > 1 and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS
+    arrivals = _arrival_counters(q.device, grid[0] * grid[1]) if fold else out  # unused unless folded
+    if splits == 1:
         part_o = part_ml = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, rows, t, keys_per_split, scale * 1.4426950408889634,
+    splits_p = triton.next_power_of_2(splits)
+    unroll = max(1, min(splits_p, COMBINE_LOADS // (block_m * d)))
+    _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, arrivals, rows, t, keys_per_split, splits,
+                     scale * 1.4426950408889634,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1),
-                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, PRECISION=precision,
+                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold,
+                     SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1, PRECISION=precision,
                      LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits > 1:
-        _combine[(triton.cdiv(rows, COMBINE_ROWS), hkv)](part_o, part_ml, out, rows, hkv, out.stride(0), out.stride(1),
-                                                          SPLITS=splits, GROUP=group, D=d, BLOCK_M=COMBINE_ROWS,
-                                                          num_warps=4)
+    if splits > 1 and not fold:
+        combine_m = 16
+        unroll = max(1, min(splits_p, COMBINE_LOADS // (combine_m * d)))
+        _combine_kernel[(triton.cdiv(rows, combine_m), hkv)](
+            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d, BLOCK_M=combine_m,
+            SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED, num_warps=4)
     return out.view(n, hq * d)
 
 
@@ -146,13 +176,15 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, out_ptr, part_o_ptr, part_ml_ptr, rows, kv_len, keys_per_split,
-                   scale_log2, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
+    def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr, rows, kv_len,
+                   keys_per_split, splits, scale_log2, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                   SPLIT: tl.constexpr, FOLD: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
+                   PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
-        against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the normalised output, or (SPLIT) the split's
-        unnormalised sum and its running max and denominator (base-2 logits)."""
+        against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
+        normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
+        (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -184,31 +216,66 @@ if triton is not None:
             tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])
             tl.store(part_ml_ptr + at * 2, m_i, mask=live)
             tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
-        else:
+        if FOLD:
+            # Every thread's stores are issued before one thread releases them with the arrival
+            # count (a block barrier, then a GPU-scope acquire-release atomic: a semaphore).
+            tl.debug_barrier()
+            tile = h * tl.num_programs(0) + tl.program_id(0)
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:  # the tile's last split: every other split's partials are visible
+                tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch
+                _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), rows,
+                         splits, so_n, so_h, D, BLOCK_M, SPLITS_P, UNROLL, LOOP_WHILE)
+        if not SPLIT:
             out = acc / tl.where(live, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def _combine(part_o_ptr, part_ml_ptr, out_ptr, rows, kv_heads, so_n, so_h, SPLITS: tl.constexpr,
-                 GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
-        """Program (row block, KV head): the splits' partial sums -> the normalised output."""
-        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        h = tl.program_id(1)
-        live = r < rows
-        dims = tl.arange(0, D)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(SPLITS):
-            top = tl.maximum(top, tl.load(part_ml_ptr + ((s * kv_heads + h) * rows + r) * 2, mask=live, other=0.0))
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        for s in range(SPLITS):
+    def _combine_group(part_o_ptr, acc, w, sp, first, splits, kv_heads, h, rows, r, live, dims, D: tl.constexpr,
+                       UNROLL: tl.constexpr):
+        """acc += w[s] * partial sum of split s, for s in [first, first + UNROLL): loads issued together."""
+        for u in tl.static_range(UNROLL):
+            s = first + u
+            ws = tl.sum(tl.where(sp[:, None] == s, w, 0.0), 0)  # [BLOCK_M]: row s of w
             at = (s * kv_heads + h) * rows + r
-            w = tl.exp2(tl.load(part_ml_ptr + at * 2, mask=live, other=0.0) - top)  # a split that saw nothing: 0
-            total += w * tl.load(part_ml_ptr + at * 2 + 1, mask=live, other=0.0)
-            acc += w[:, None] * tl.load(part_o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None], other=0.0)
+            o = tl.load(part_o_ptr + at[:, None] * D + dims[None, :], mask=live[:, None] & (s < splits), other=0.0,
+                        cache_modifier=".cg")
+            acc += ws[:, None] * o
+        return acc
+
+    @triton.jit
+    def _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, kv_heads, rows, splits, so_n, so_h,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
+                 LOOP_WHILE: tl.constexpr):
+        """The splits' partial sums of rows r (KV head h) -> the normalised output. Loads bypass L1
+        (`.cg`): the partials may have been written by other programs of the same launch."""
+        sp = tl.arange(0, SPLITS_P)
+        at = (sp[:, None] * kv_heads + h) * rows + r[None, :]  # [SPLITS_P, BLOCK_M]
+        ok = (sp[:, None] < splits) & live[None, :]
+        m = tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(m, 0)
+        w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)[None, :])  # a split that saw nothing: 0
+        total = tl.sum(w * tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg"), 0)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
+            first = 0
+            while first < splits:
+                acc = _combine_group(part_o_ptr, acc, w, sp, first, splits, kv_heads, h, rows, r, live, dims, D, UNROLL)
+                first += UNROLL
+        else:
+            for first in range(0, splits, UNROLL):
+                acc = _combine_group(part_o_ptr, acc, w, sp, first, splits, kv_heads, h, rows, r, live, dims, D, UNROLL)
         out = acc / tl.where(live, total, 1.0)[:, None]
-        tok = r // GROUP
-        head = h * GROUP + r % GROUP
         tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, GROUP: tl.constexpr,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
+                        LOOP_WHILE: tl.constexpr):
+        """Program (row block, KV head): `_combine` as its own launch (`AttentionConfig.fold_combine` off)."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.program_id(1)
+        _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, tl.arange(0, D), h,
+                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, SPLITS_P, UNROLL, LOOP_WHILE)

@@ -47,10 +47,13 @@ def candidates(budget: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class TreeBuildPlan:
     """Static shapes and scratch of one (budget, depth count, vocabulary) on one device."""
 
-    def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "topk"):
+    def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "topk",
+                 rank_warps: int = 8, select_warps: int | None = None):
         """selection: "topk" (`tl.topk`, the default: 1.3-2.9x faster than "sort" on an H200 at
         budgets 16-256, benchmarks/README.md) or "sort" (a full bitonic sort per selection, kept as
-        a cross-check). benchmarks/tree_build.py times both; both give the same tree."""
+        a cross-check). benchmarks/tree_build.py times both; both give the same tree.
+        rank_warps / select_warps: warps per program of the rank kernels and of select (None:
+        by select's largest block); benchmarks/tree_build.py --rank-warps / --select-warps times them."""
         if selection not in ("sort", "topk"):
             raise ValueError(f"selection must be 'sort' or 'topk', got {selection!r}")
         self.budget, self.depth_count, self.vocab = budget, depth_count, vocab
@@ -68,7 +71,9 @@ class TreeBuildPlan:
         self.supported = (triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
                           and self.final_pad <= MAX_FINAL_SORT)
         biggest = max(self.cand_pad, self.final_pad)
-        self.select_warps = 16 if biggest > MAX_SORT else 8 if biggest > 1024 else 4
+        # H200, Qwen3 vocabulary, budget 256: select 274 us at 8 warps, 219 at 16 (benchmarks/README.md)
+        self.select_warps = select_warps or (16 if biggest > 1024 else 4)
+        self.rank_warps = rank_warps
         d, b = depth_count, budget
         self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
         self.heads = torch.empty(d, self.chunks, self.kp, dtype=torch.int64, device=device)
@@ -96,12 +101,13 @@ class TreeBuildPlan:
 
         def rank_chunks():
             _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
-                                           CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, num_warps=8)
+                                           CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
+                                           num_warps=self.rank_warps)
 
         def rank_merge():
             _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
                               MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
-                              num_warps=8)
+                              num_warps=self.rank_warps)
 
         def select():
             _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,

@@ -31,6 +31,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_weight: torch.Tensor | None = None  # set by DFlashDrafter.fuse_projections
+        self.qkv_bias: torch.Tensor | None = None
         self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
         self.window = cfg.sliding_window if self.sliding else None
         self.scale = self.head_dim**-0.5
@@ -50,17 +52,22 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, metas: dict[str, AttentionMeta], cache: KVCache, ops: LayerOps):
+    def forward(self, h, delta, cos, sin, metas: dict[str, AttentionMeta], cache: KVCache, ops: LayerOps):
+        """(h, delta) -> this layer's output as (h, delta), as in `TargetLayer.forward`."""
         a, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
-        q, k, v = ops.project_qkv_split(
-            h, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-            a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.q_norm.weight, a.k_norm.weight,
-            cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
+        if a.qkv_weight is not None:  # fused: one matmul for q, k and v
+            x, q, k, v = ops.project_qkv(h, delta, self.input_layernorm.weight, a.qkv_weight, a.qkv_bias,
+                                         a.q_norm.weight, a.k_norm.weight, cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
+        else:
+            x, q, k, v = ops.project_qkv_split(
+                h, delta, self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.q_norm.weight, a.k_norm.weight,
+                cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
         meta = metas["sliding" if a.sliding else "full"]
         keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
         attn = attend(q, keys, values, meta, a.scale, ops.mask_bias)
-        return ops.finish_layer(h, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+        return ops.finish_layer(x, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
 
@@ -76,6 +83,38 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
         self.ops: LayerOps = EAGER
+        self.context_kv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None  # fuse_projections
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """The inference layout, made once on the final device (the engine calls it):
+
+        - each layer's q, k and v matrices become one [(Hq + 2 Hkv) * D, H] matrix, and the three
+          weights become views of it (no second copy): the block's projection is one matmul;
+        - every layer's k and v rows are also stacked into one [L * 2 * Hkv * D, H] matrix (a copy:
+          2 * Hkv * D * H per layer), with the k norms [L, D]: appending context is one matmul, one
+          norm-and-rotate and one cache write for all layers, not three launches per layer.
+        Not for training: the q/k/v parameters then share storage. A second call does nothing."""
+        if self.context_kv is not None:
+            return
+        kv_rows, kv_biases = [], []
+        for layer in self.layers:
+            a = layer.self_attn
+            parts = [a.q_proj, a.k_proj, a.v_proj]
+            a.qkv_weight = torch.cat([p.weight for p in parts])
+            a.qkv_bias = torch.cat([p.bias for p in parts]) if a.q_proj.bias is not None else None
+            start = 0
+            for p in parts:
+                rows = p.weight.shape[0]
+                p.weight = nn.Parameter(a.qkv_weight[start:start + rows], requires_grad=False)
+                if a.qkv_bias is not None:
+                    p.bias = nn.Parameter(a.qkv_bias[start:start + rows], requires_grad=False)
+                start += rows
+            kv_rows.append(a.qkv_weight[a.n_heads * a.head_dim:])
+            if a.qkv_bias is not None:
+                kv_biases.append(a.qkv_bias[a.n_heads * a.head_dim:])
+        k_norms = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])
+        self.context_kv = (torch.cat(kv_rows), torch.cat(kv_biases) if kv_biases else None, k_norms)
 
     def use_compiled(self) -> None:
         """Run the per-layer elementwise work through torch.compile (CUDA)."""
@@ -86,18 +125,22 @@ class DFlashDrafter(nn.Module):
         return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
 
     @torch.no_grad()
-    @torch.no_grad()
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
         """Cache keys/values of committed tokens. features: [M, len(taps) * H]; positions: [M] (= their slots)."""
         ops = self.ops
         ctx = ops.rms_norm(F.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
+        if self.context_kv is not None:  # fused: every layer at once
+            kv_w, kv_b, k_norms = self.context_kv
+            a = self.layers[0].self_attn
+            k, v = ops.project_context_kv(ctx, kv_w, kv_b, k_norms, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
+            cache.write_layers(positions, k, v)
+            return
         for layer in self.layers:
             a = layer.self_attn
             k, v = ops.project_kv(ctx, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
                                   a.k_norm.weight, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
-            cache.k[a.layer_idx].index_copy_(0, positions, k)
-            cache.v[a.layer_idx].index_copy_(0, positions, v)
+            cache.write(a.layer_idx, positions, k, v, 0)
 
     def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int) -> dict[str, AttentionMeta]:
         """Attention metadata for a block at positions context_len .. context_len + block - 1.
@@ -121,10 +164,10 @@ class DFlashDrafter(nn.Module):
         """
         positions = metas["full"].write_slots
         cos, sin = self.rotary(positions, noise_embedding.dtype)
-        h = noise_embedding
+        h, delta = noise_embedding, None
         for layer in self.layers:
-            h = layer(h, cos, sin, metas, cache, self.ops)
-        return self.ops.rms_norm(h, self.norm.weight, self.norm.eps)
+            h, delta = layer(h, delta, cos, sin, metas, cache, self.ops)
+        return self.ops.final_norm(h, delta, self.norm.weight, self.norm.eps)[1]
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Draft logits [b, V] in float32 through the target's LM head, with the config's multiplier/softcap."""

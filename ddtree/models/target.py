@@ -39,16 +39,18 @@ class TargetLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, meta: AttentionMeta, cache: KVCache, ops: LayerOps):
+    def forward(self, h, delta, cos, sin, meta: AttentionMeta, cache: KVCache, ops: LayerOps):
+        """(h, delta): the previous layer's output as `fused.finish_layer` leaves it (delta None for
+        the embeddings) -> (this layer's input h + delta, and its own output as (h, delta))."""
         a, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
-        q, k, v = ops.project_qkv(
-            h, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+        x, q, k, v = ops.project_qkv(
+            h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
             a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
             cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
         keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
         attn = attend(q, keys, values, meta, a.scale, ops.mask_bias)
-        return ops.finish_layer(h, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
+        return x, *ops.finish_layer(x, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
 
@@ -88,19 +90,24 @@ class TargetModel(nn.Module):
 
         `feature_layers` are layer indices whose outputs (post-residual) the drafter reads.
         """
-        h = self.embed_tokens(tokens)
+        h, delta = self.embed_tokens(tokens), None
         cos, sin = self.rotary(positions, h.dtype)
         taps = []
         wanted = set(feature_layers or ())
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache, self.ops)
-            if i in wanted:
-                taps.append(h)
+            layer_input, h, delta = layer(h, delta, cos, sin, meta, cache, self.ops)
+            if i - 1 in wanted:  # layer i's input is layer i - 1's output
+                taps.append(layer_input)
+        last_tapped = len(self.layers) - 1 in wanted
+        if logit_rows is not None and not last_tapped:  # only the rows asked for (a prefill's last)
+            h, delta = h[logit_rows], None if delta is None else delta[logit_rows]
+        out, normed = self.ops.final_norm(h, delta, self.norm.weight, self.norm.eps)
+        if last_tapped:
+            taps.append(out)
+            normed = normed if logit_rows is None else normed[logit_rows]
         features = None
         if feature_layers:
             by_layer = dict(zip(sorted(wanted), taps))
             features = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
-        if logit_rows is not None:
-            h = h[logit_rows]
-        logits = logits_float32(self.ops.rms_norm(h, self.norm.weight, self.norm.eps), self.lm_head.weight)
+        logits = logits_float32(normed, self.lm_head.weight)
         return logits, features

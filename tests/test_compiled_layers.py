@@ -1,0 +1,43 @@
+"""The compiled layer functions (`fused.compiled_ops`, used on CUDA) serve both models, both
+dtypes, prefill, one-token and block forwards without running into dynamo's recompile limit
+(which `fullgraph=True` makes an error), and give the eager functions' tokens.
+
+On the CPU dynamo traces with its "eager" backend here (no kernels are generated): what is
+checked is the tracing and the guards, which are the same on every device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree import LLM, SamplingParams
+from ddtree.models import fused
+from tiny_models import make_drafter, make_target
+
+
+@pytest.fixture()
+def eager_backend_compile(monkeypatch):
+    real = torch.compile
+
+    def compile_eager(fn, **kwargs):
+        return real(fn, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_eager)
+    monkeypatch.setattr(fused, "_COMPILED", None)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_one_compiled_set_serves_every_call(tmp_path, eager_backend_compile):
+    make_target(tmp_path / "t", "qwen3", vocab=512, hidden=64, layers=3)
+    make_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = list(range(5, 30))
+    for dtype in ("float32", "bfloat16"):
+        compiled = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128,
+                       compile_layers=True)
+        eager = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128)
+        assert compiled.engine.target.ops is fused._COMPILED and eager.engine.target.ops is fused.EAGER
+        for budget in ("ar", "chain", 4):
+            assert compiled.generate(prompt, params, budget).token_ids == \
+                eager.generate(prompt, params, budget).token_ids, (dtype, budget)

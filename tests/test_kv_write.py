@@ -1,0 +1,93 @@
+"""`kernels.kv_write.write_kv` equals `index_copy_`: strided sources (views of a fused projection's
+rows), slots in any order, head sizes that are not powers of two, and only the named slots change.
+On the CPU through Triton's interpreter; on a GPU also at Qwen3-8B's KV layout in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
+from ddtree.kernels.kv_write import supported, write_kv  # noqa: E402
+from ddtree.kv_cache import KVCache  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def projected(n, hq, hkv, d, dtype, seed):
+    """k, v [n, hkv, d] as views of one fused [n, (hq + 2 hkv) * d] projection (strided rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    _, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return k.view(n, hkv, d), v.view(n, hkv, d)
+
+
+CASES = [  # n, Hq, Hkv, D, slots in the cache
+    (1, 4, 2, 16, 8),
+    (7, 4, 2, 32, 20),
+    (5, 6, 3, 24, 16),  # Hkv and D not powers of two
+    (12, 2, 1, 16, 40),
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,slots", CASES)
+def test_write_equals_index_copy(n, hq, hkv, d, slots):
+    k, v = projected(n, hq, hkv, d, torch.float32, seed=n)
+    gen = torch.Generator().manual_seed(100 + n)
+    where = torch.randperm(slots, generator=gen)[:n].to(DEVICE)
+    before = torch.randn(2, slots, hkv, d, generator=gen).to(DEVICE)
+    ours, ref = before.clone(), before.clone()
+    assert supported(ours[0], k)
+    write_kv(ours[0], ours[1], where, k, v)
+    ref[0].index_copy_(0, where, k)
+    ref[1].index_copy_(0, where, v)
+    assert torch.equal(ours, ref)
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    untouched[where] = False
+    assert torch.equal(ours[:, untouched], before[:, untouched])
+
+
+def test_cache_write_returns_the_written_layer():
+    """`KVCache.write` (the kernel on CUDA, index_copy_ elsewhere) stores into the named layer only."""
+    cache = KVCache(layers=3, slots=16, kv_heads=2, head_dim=16, device=DEVICE, dtype=torch.float32)
+    k, v = projected(4, 4, 2, 16, torch.float32, seed=3)
+    slots = torch.tensor([9, 2, 5, 11], device=DEVICE)
+    keys, values = cache.write(1, slots, k, v, kv_len=12)
+    assert keys.shape == (12, 2, 16)
+    assert torch.equal(cache.k[1, slots], k) and torch.equal(cache.v[1, slots], v)
+    assert torch.equal(keys[slots], k) and torch.equal(values[slots], v)
+    assert not cache.k[0].any() and not cache.k[2].any() and not cache.v[0].any()
+
+
+def test_write_layers_equals_index_copy_per_layer():
+    """`KVCache.write_layers`: N tokens' entries of every layer at once (the drafter's context), from
+    views of one [N, L * 2 * Hkv * D] projection, as one index_copy_ per layer would store them."""
+    n, layers, hkv, d = 5, 3, 2, 16
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(n, layers * 2 * hkv * d, generator=gen).to(DEVICE).view(n, layers, 2, hkv, d)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    slots = torch.tensor([7, 1, 12, 3, 9], device=DEVICE)
+    cache = KVCache(layers=layers, slots=16, kv_heads=hkv, head_dim=d, device=DEVICE, dtype=torch.float32)
+    ref = KVCache(layers=layers, slots=16, kv_heads=hkv, head_dim=d, device=DEVICE, dtype=torch.float32)
+    write_kv(cache.k, cache.v, slots, k, v)  # the kernel, on any device
+    for layer in range(layers):
+        ref.k[layer].index_copy_(0, slots, k[:, layer])
+        ref.v[layer].index_copy_(0, slots, v[:, layer])
+    assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+    other = KVCache(layers=layers, slots=16, kv_heads=hkv, head_dim=d, device=DEVICE, dtype=torch.float32)
+    other.write_layers(slots, k, v)  # the kernel on CUDA, index_copy_ elsewhere
+    assert torch.equal(other.k, ref.k) and torch.equal(other.v, ref.v)
+    with pytest.raises(ValueError, match="layers"):
+        other.write_layers(slots, k[:, :2], v[:, :2])
+
+
+def test_kernel_matches_at_qwen3_kv_layout():
+    """bf16, 8 KV heads x 128 (the kernel path on a GPU; in the interpreter a few tokens only)."""
+    n = 257 if DEVICE == "cuda" else 3
+    k, v = projected(n, 32, 8, 128, torch.bfloat16, seed=7)
+    cache = torch.zeros(2, 1100, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    ref = cache.clone()
+    slots = 512 + torch.arange(n, device=DEVICE)
+    write_kv(cache[0], cache[1], slots, k, v)
+    ref[0].index_copy_(0, slots, k)
+    ref[1].index_copy_(0, slots, v)
+    assert torch.equal(cache, ref)
