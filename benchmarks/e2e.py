@@ -1,12 +1,15 @@
 """End-to-end decoding speed of the demo pair on a GPU, graphs on, with output parity.
 
     python benchmarks/e2e.py [--budgets ar,chain,16,...] [--num-prompts 16] [--max-tokens 128]
+        [--no-eager-parity] [--output FILE.json]
 
 For each budget: output tokens/s over held-out stdlib prompts (greedy, the same prompts for every
 budget, after capturing all of the budget's graphs and one warm-up prompt), mean acceptance length, speedup over
 ar and over chain, and parity: the fraction of prompts whose tokens equal (a) the ar output and
 (b) the same budget on the eager path (no CUDA graphs; in bf16 the eager path uses the same fused
-kernels and KV buckets, so that only graph replay differs). Writes JSON to benchmarks/results/.
+kernels and KV buckets, so that only graph replay differs; --no-eager-parity skips (b), about
+half the run). Writes JSON to benchmarks/results/ after every budget, so a run cut short keeps
+the budgets it finished.
 """
 from __future__ import annotations
 
@@ -32,12 +35,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-eager-parity", action="store_true", help="skip the eager path's run of every prompt")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
 
     graphs = LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=True)
     same = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket) if args.dtype != "float32" else {}
-    eager = LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=False, **same)
+    eager = None if args.no_eager_parity else \
+        LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=False, **same)
     prompts = [graphs.prompt_ids(p.prompt if p.prompt is not None else graphs.apply_chat_template(p.messages))
                for p in load_prompts("stdlib", args.num_prompts + 1)]
     warm, prompts = prompts[0], prompts[1:]
@@ -57,40 +62,50 @@ def main() -> None:
             tokens += len(r.token_ids)
             accept.extend(r.stats.acceptance_lengths)
             outs.append(r.token_ids)
-            eager_same += eager.generate(prompt, params, budget).token_ids == r.token_ids
+            if eager is not None:
+                eager_same += eager.generate(prompt, params, budget).token_ids == r.token_ids
         outputs[label] = outs
         rows.append({"tree_budget": label, "output_tokens": tokens, "seconds": seconds,
                      "tokens_per_second": tokens / seconds,
                      "mean_acceptance_length": statistics.fmean(accept) if accept else 0.0,
-                     "parity_vs_eager": eager_same / len(prompts)})
+                     "parity_vs_eager": eager_same / len(prompts) if eager is not None else None})
         print(f"{label:>6}  {tokens / seconds:8.1f} tok/s  accept {rows[-1]['mean_acceptance_length']:5.2f}  "
-              f"parity eager {rows[-1]['parity_vs_eager']:.2f}", flush=True)
+              f"parity eager {rows[-1]['parity_vs_eager']}", flush=True)
+        best, out = write_result(args, graphs, rows, outputs, len(prompts))
+    for r in rows:
+        print(f"{r['tree_budget']:>6}  {r['tokens_per_second']:8.1f} tok/s  x{r['speedup_vs_ar'] or 0:5.2f} vs ar  "
+              f"x{r['speedup_vs_chain'] or 0:5.2f} vs chain  accept {r['mean_acceptance_length']:5.2f}  "
+              f"parity ar {r.get('parity_vs_ar', 0):.2f} eager {r['parity_vs_eager']}", flush=True)
+    if best:
+        print(f"best budget {best['tree_budget']}: x{best['speedup_vs_chain']:.2f} vs chain, x{best['speedup_vs_ar']:.2f} vs ar; wrote {out}")
+
+
+def write_result(args, graphs: LLM, rows: list[dict], outputs: dict, prompts: int):
+    """Speedups and parity with ar for the budgets done so far, then the JSON -> (best tree row, path)."""
     base = {r["tree_budget"]: r["tokens_per_second"] for r in rows}
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_second"] / base["ar"] if "ar" in base else None
         r["speedup_vs_chain"] = r["tokens_per_second"] / base["chain"] if "chain" in base else None
         if "ar" in outputs:
-            r["parity_vs_ar"] = sum(a == b for a, b in zip(outputs[r["tree_budget"]], outputs["ar"])) / len(prompts)
-        print(f"{r['tree_budget']:>6}  {r['tokens_per_second']:8.1f} tok/s  x{r['speedup_vs_ar'] or 0:5.2f} vs ar  "
-              f"x{r['speedup_vs_chain'] or 0:5.2f} vs chain  accept {r['mean_acceptance_length']:5.2f}  "
-              f"parity ar {r.get('parity_vs_ar', 0):.2f} eager {r['parity_vs_eager']:.2f}", flush=True)
+            r["parity_vs_ar"] = sum(a == b for a, b in zip(outputs[r["tree_budget"]], outputs["ar"])) / prompts
     trees = [r for r in rows if r["tree_budget"] not in ("ar", "chain")]
     best = max(trees, key=lambda r: r["tokens_per_second"]) if trees else None
     result = {
         "benchmark": "e2e",
-        "command": "python benchmarks/e2e.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "command": "python benchmarks/e2e.py " + " ".join(
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for k, v in vars(args).items() if v is not None and v is not False),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
         "git_revision": git_revision(),
         "models": {"target": str(graphs.target_path), "draft": str(graphs.draft_path)},
-        "dtype": args.dtype, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+        "dtype": args.dtype, "num_prompts": prompts, "max_tokens": args.max_tokens,
         "graph_capture_seconds": graphs.engine.capture_seconds,
         "rows": rows,
         "best_tree_budget": best and best["tree_budget"],
     }
     out = results_path(args.output, "e2e")
     out.write_text(json.dumps(result, indent=2))
-    if best:
-        print(f"best budget {best['tree_budget']}: x{best['speedup_vs_chain']:.2f} vs chain, x{best['speedup_vs_ar']:.2f} vs ar; wrote {out}")
+    return best, out
 
 
 if __name__ == "__main__":
