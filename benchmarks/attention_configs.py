@@ -10,7 +10,7 @@ microseconds per call (CUDA-graph replay of 10 calls) of every tiling, of the de
 of `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
 replaced). Prints the fastest tiling per N. `--sweep tilings` (the default) tries 48 tilings;
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
-at 1, 2 and 4 programs per SM.
+at 1, 2 and 4 programs per SM, loading 8192 or 32768 partial-sum elements at once.
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def main() -> None:
         configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
                    for m, bn, p, w, st in itertools.product((0, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
     else:
-        configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold)
-                   for p, fold in itertools.product((1, 2, 4), (True, False))]
+        configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
+                   for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
     rows = []
     for n in map(int, args.tokens.split(",")):
         q, k, v, mask = case(n)

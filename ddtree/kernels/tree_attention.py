@@ -32,7 +32,6 @@ try:
 except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTorch's attention
     triton = None
 
-COMBINE_LOADS = 8192  # float32 partial-sum elements the combine loads at once (UNROLL splits of [BLOCK_M, D])
 # The last split combines in the kernel only while it reads at most this many partial rows
 # (block_m x splits): H200, Qwen3-8B heads, per layer: N = 1 (16 x 12) 8.6 -> 5.9 us, N = 257
 # (64 x 2) 25.3 -> 24.3; but N = 17 (64 x 12) 13.5 -> 22.7, one program reading them all.
@@ -66,6 +65,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2  # H200: the fastest of 48 tilings at N = 1, 65, 129, 257, 513; within 6% at 17, 1025
     fold_combine: bool = True  # the last split combines (no second launch) when FOLD_MAX_PARTIALS allows
+    combine_loads: int = 8192  # float32 partial-sum elements the combine loads at once (splits x [rows, D])
 
 
 DEFAULT = AttentionConfig()
@@ -137,7 +137,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         part_o = part_ml = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     splits_p = triton.next_power_of_2(splits)
-    unroll = max(1, min(splits_p, COMBINE_LOADS // (block_m * d)))
+    unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
     _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, arrivals, rows, t, keys_per_split, splits,
                      scale * 1.4426950408889634,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
@@ -147,7 +147,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1 and not fold:
         combine_m = 16
-        unroll = max(1, min(splits_p, COMBINE_LOADS // (combine_m * d)))
+        unroll = max(1, min(splits_p, config.combine_loads // (combine_m * d)))
         _combine_kernel[(triton.cdiv(rows, combine_m), hkv)](
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d, BLOCK_M=combine_m,
             SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED, num_warps=4)
