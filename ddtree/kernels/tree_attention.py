@@ -1,4 +1,5 @@
-"""Masked attention of a few new tokens over a cached context, as one Triton kernel: the verify of a tree, an autoregressive step, the drafter's block.
+"""Masked attention of a few new tokens over a cached context, as one Triton kernel: the verify of
+a tree, an autoregressive step, the drafter's block.
 
 PyTorch's attention with a boolean/additive mask gives each (KV head, 64-row query tile) one
 program that walks every key: at Qwen3-8B shape that is 8 programs for an autoregressive step
@@ -131,10 +132,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if splits > 1:
         part_o = torch.empty(splits, hkv, rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, hkv, rows, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
     fold = splits > 1 and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS
     arrivals = _arrival_counters(q.device, grid[0] * grid[1]) if fold else out  # unused unless folded
-    if splits == 1:
-        part_o = part_ml = out  # unused
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     splits_p = triton.next_power_of_2(splits)
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
