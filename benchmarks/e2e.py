@@ -3,13 +3,14 @@
     python benchmarks/e2e.py [--budgets ar,chain,16,...] [--num-prompts 16] [--max-tokens 128]
         [--no-eager-parity] [--output FILE.json]
 
-For each budget: output tokens/s over held-out stdlib prompts (greedy, the same prompts for every
-budget, after capturing all of the budget's graphs and one warm-up prompt), mean acceptance length, speedup over
-ar and over chain, and parity: the fraction of prompts whose tokens equal (a) the ar output and
-(b) the same budget on the eager path (no CUDA graphs; in bf16 the eager path uses the same fused
-kernels and KV buckets, so that only graph replay differs; --no-eager-parity skips (b), about
-half the run). Writes JSON to benchmarks/results/ after every budget, so a run cut short keeps
-the budgets it finished.
+For each budget: output tokens/s over held-out stdlib prompts (greedy, the same prompts for
+every budget, after capturing all of the budget's graphs and one warm-up prompt), mean acceptance
+length, time to first token and time per round, speedup over ar and over chain, and parity: the
+fraction of prompts whose tokens equal (a) the ar output and (b) the same budget on the eager
+path (no CUDA graphs; in bf16 the eager path uses the same fused kernels, KV buckets and padded
+prefill lengths, so that only graph replay differs; --no-eager-parity skips (b), about half the
+run). Writes JSON to benchmarks/results/ after every budget, so a run cut short keeps the
+budgets it finished.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
 
     graphs = LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=True)
-    same = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket) if args.dtype != "float32" else {}
+    same = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket, padded_prefill=True) if args.dtype != "float32" else {}
     eager = None if args.no_eager_parity else \
         LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=False, **same)
     prompts = [graphs.prompt_ids(p.prompt if p.prompt is not None else graphs.apply_chat_template(p.messages))
@@ -52,7 +53,7 @@ def main() -> None:
         budget = label if label in ("ar", "chain") else int(label)
         graphs.warmup(budget)  # captures every graph of this budget, outside the timing
         graphs.generate(warm, params, budget)
-        tokens, seconds, accept, eager_same = 0, 0.0, [], 0
+        tokens, seconds, accept, eager_same, first_token_s, prompt_tokens = 0, 0.0, [], 0, 0.0, 0
         outs = []
         for prompt in prompts:
             torch.cuda.synchronize()
@@ -61,6 +62,8 @@ def main() -> None:
             seconds += time.perf_counter() - t
             tokens += len(r.token_ids)
             accept.extend(r.stats.acceptance_lengths)
+            first_token_s += r.stats.time_to_first_token_s
+            prompt_tokens += len(prompt)
             outs.append(r.token_ids)
             if eager is not None:
                 eager_same += eager.generate(prompt, params, budget).token_ids == r.token_ids
@@ -68,8 +71,13 @@ def main() -> None:
         rows.append({"tree_budget": label, "output_tokens": tokens, "seconds": seconds,
                      "tokens_per_second": tokens / seconds,
                      "mean_acceptance_length": statistics.fmean(accept) if accept else 0.0,
+                     # where the time goes: the prefill (to the first token) and each decoding round
+                     "mean_prompt_tokens": prompt_tokens / len(prompts),
+                     "mean_time_to_first_token_ms": first_token_s * 1000 / len(prompts),
+                     "ms_per_round": (seconds - first_token_s) * 1000 / max(len(accept), 1),
                      "parity_vs_eager": eager_same / len(prompts) if eager is not None else None})
         print(f"{label:>6}  {tokens / seconds:8.1f} tok/s  accept {rows[-1]['mean_acceptance_length']:5.2f}  "
+              f"ttft {rows[-1]['mean_time_to_first_token_ms']:.2f} ms  round {rows[-1]['ms_per_round']:.3f} ms  "
               f"parity eager {rows[-1]['parity_vs_eager']}", flush=True)
         best, out = write_result(args, graphs, rows, outputs, len(prompts))
     for r in rows:

@@ -25,7 +25,7 @@ from ddtree.engine import Engine, tree_size
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build_target_layer_ids
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.target import TargetModel
-from ddtree.models.layers import AttentionMeta, RotaryTable
+from ddtree.models.layers import RotaryTable
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
@@ -104,22 +104,13 @@ def time_graph(engine: Engine, fn, reps: int = 20) -> float:
 def stage_times(engine: Engine, budget) -> dict:
     """Replay each stage alone as a CUDA graph at the engine's current state (mid-sequence).
     Every stage writes only scratch slots past the committed length, so replays are harmless."""
-    size = tree_size(budget, engine.block_size)
     kv_len = engine._front_kv_len(budget, engine._host_n)
-    bufs = engine.buffers[budget]
     out = {"draft_ms": 0.0, "build_ms": 0.0}
     if budget != AR:
         out["draft_ms"] = time_graph(engine, lambda: engine._draft_logprobs(engine.root, engine.n, kv_len))
         logp = engine._draft_logprobs(engine.root, engine.n, kv_len)
         out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logp, engine.root))
-    taps = engine.feature_layers if budget != AR else None
-
-    def verify():
-        meta = AttentionMeta(engine.n + torch.arange(size, device=engine.device), kv_len,
-                             engine.tree_mask(engine.n, bufs.visible, kv_len))
-        return engine.target(bufs.tokens, engine.n + bufs.depths, meta, engine.cache, taps)
-
-    out["verify_ms"] = time_graph(engine, verify)
+    out["verify_ms"] = time_graph(engine, lambda: engine._verify(budget, kv_len))
     out["walk_commit_ms"] = time_graph(engine, lambda: engine._back(budget))
     return out
 

@@ -83,6 +83,7 @@ class LLM:
         compile_layers: bool | None = None,
         fused_tree: bool | None = None,
         kv_bucket: int | None = None,
+        padded_prefill: bool | None = None,
     ):
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
@@ -112,7 +113,8 @@ class LLM:
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
         self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
-                             compile_layers=compile_layers, fused_tree=fused_tree)
+                             compile_layers=compile_layers, fused_tree=fused_tree,
+                             padded_prefill=padded_prefill)
 
     # -- facts the server and benchmark report -----------------------------------------------
 

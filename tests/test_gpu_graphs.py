@@ -27,9 +27,10 @@ def pair(tmp_path_factory):
 def test_graphs_equal_eager(pair, dtype):
     target, draft = pair
     graphs = LLM(target, draft, device="cuda", dtype=dtype, use_graphs=True, max_model_len=1024)
-    # float32: against the plain eager path (other kernels, exact KV lengths); bf16 rounds
-    # differently in fused kernels, so there the eager run uses the same kernels and KV buckets.
-    same_kernels = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket) if dtype == "bfloat16" else {}
+    # float32: against the plain eager path (other kernels, exact KV and prompt lengths); bf16 rounds
+    # differently in fused kernels, so there the eager run uses the same kernels, KV buckets and
+    # padded prefill lengths.
+    same_kernels = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket, padded_prefill=True) if dtype == "bfloat16" else {}
     eager = LLM(target, draft, device="cuda", dtype=dtype, use_graphs=False, max_model_len=1024, **same_kernels)
     assert graphs.engine.use_graphs and not eager.engine.use_graphs
     gen = torch.Generator().manual_seed(0)
@@ -42,6 +43,7 @@ def test_graphs_equal_eager(pair, dtype):
             assert a.token_ids == b.token_ids, (budget, prompt[:8])
             assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
     assert graphs.engine.front_graphs, "no front graph was captured"
+    assert graphs.engine.prefill_graphs, "no prefill graph was captured"
 
 
 def test_graphs_sampling_matches_eager(pair):

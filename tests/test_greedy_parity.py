@@ -31,6 +31,9 @@ class Setup:
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=torch.float32).eval()
         self.hf.generation_config.eos_token_id = None  # the reference ignores eos, as the requests below do
         self.llm = LLM(self.target_dir, self.draft_dir, device="cpu", dtype="float32", max_model_len=128)
+        # Prompts padded to the prefill lengths CUDA graphs run at, here eagerly.
+        self.padded = LLM(self.target_dir, self.draft_dir, device="cpu", dtype="float32", max_model_len=128,
+                          padded_prefill=True)
         self.vocab = self.hf.config.vocab_size
 
     @torch.no_grad()
@@ -156,11 +159,25 @@ def test_greedy_parity_with_oracle_drafter(model, prompt_count, request, monkeyp
             assert max(result.stats.acceptance_lengths) <= (2 if budget == 1 else BLOCK)
 
 
-def test_drafter_context_after_long_commits(qwen3, monkeypatch):
+def test_padded_prefill_equals_transformers(qwen3):
+    """A prompt padded to its prefill length gives the same tokens: the padding's keys and values
+    (slots past the prompt) are never seen. The padding holds the previous prompts' tokens."""
+    s = qwen3
+    assert s.padded.engine.prefill_lengths[:3] == [16, 24, 32]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for p, (prompt, expected) in enumerate(s.cases(8, seed=14, max_new=MAX_TOKENS)):
+        for budget in BUDGETS:
+            assert s.padded.generate(prompt, params, budget).token_ids == expected, f"prompt {p}, budget {budget}"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_drafter_context_after_long_commits(qwen3, monkeypatch, padded):
     """After rounds that commit up to a whole block at once, the real drafter's draft equals
-    z-lab's reference drafter run from scratch on the committed sequence."""
+    z-lab's reference drafter run from scratch on the committed sequence (also after a padded
+    prefill, whose padding writes drafter context slots past the prompt)."""
     dflash_model = pytest.importorskip("dflash.model")
     s = qwen3
+    llm = s.padded if padded else s.llm
     ref_drafter = dflash_model.DFlashDraftModel.from_pretrained(str(s.draft_dir), dtype=torch.float32).eval()
     state: dict = {}
     install_oracle(monkeypatch, s.vocab, state)
@@ -169,7 +186,7 @@ def test_drafter_context_after_long_commits(qwen3, monkeypatch):
         state["seq"] = prompt + expected
         for budget in ("chain", 64):
             state["drafts"] = []
-            result = s.llm.generate(prompt, params, budget)
+            result = llm.generate(prompt, params, budget)
             assert result.token_ids == expected[:MAX_TOKENS]
             assert max(result.stats.acceptance_lengths) > 3
             for n, logp in state["drafts"]:

@@ -1,13 +1,15 @@
 """`kernels.kv_write.write_kv` equals `index_copy_`: strided sources (views of a fused projection's
 rows), slots in any order, head sizes that are not powers of two, and only the named slots change.
-On the CPU through Triton's interpreter; on a GPU also at Qwen3-8B's KV layout in bf16."""
+`compact_kv` equals gathering then writing (`index_select` + `index_copy_`), overlapping moves
+included. On the CPU through Triton's interpreter; on a GPU also at Qwen3-8B's KV layout in bf16."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
-from ddtree.kernels.kv_write import supported, write_kv  # noqa: E402
+from ddtree.kernels.kv_write import compact_kv, supported, write_kv  # noqa: E402
+from ddtree.tree import build_tree, walk  # noqa: E402
 from ddtree.kv_cache import KVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,3 +93,43 @@ def test_kernel_matches_at_qwen3_kv_layout():
     ref[0].index_copy_(0, slots, k)
     ref[1].index_copy_(0, slots, v)
     assert torch.equal(cache, ref)
+
+
+def reference_compact(cache: torch.Tensor, start: int, order: torch.Tensor) -> torch.Tensor:
+    """cache [L, S, H, D] with slot start + j taking slot start + order[j] (all read before any write)."""
+    out = cache.clone()
+    out[:, start + torch.arange(order.shape[0], device=cache.device)] = cache[:, start + order]
+    return out
+
+
+@pytest.mark.parametrize("layers,slots,hkv,d,seed", [(3, 64, 2, 16, 0), (2, 80, 3, 24, 1), (1, 300, 8, 128, 2)])
+def test_compact_equals_gather_then_write(layers, slots, hkv, d, seed):
+    """Orders from real walks (accepted path first, overlapping moves: a source slot is another
+    move's destination) and random permutations; only slots start .. start + M - 1 change."""
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(4):
+        n = 17 if trial < 2 else 9
+        logp = torch.log_softmax(torch.randn(4, 7, generator=gen) * 3, dim=-1)
+        tree = build_tree(logp, torch.tensor(1), n - 1)
+        choices = torch.where(torch.rand(n, generator=gen) < 0.7, tree.tokens[torch.randint(0, n, (n,), generator=gen)], 0)
+        choices[tree.parents.clamp(min=0)] = tree.tokens  # some nodes match their parent's choice
+        order = walk(tree, choices).order if trial % 2 == 0 else torch.randperm(n, generator=gen)
+        keep = order[: min(n, 8)]
+        start = int(torch.randint(0, slots - n, (1,), generator=gen))
+        cache = torch.randn(2, layers, slots, hkv, d, generator=gen).to(DEVICE)
+        expected = [reference_compact(cache[i], start, keep.to(DEVICE)) for i in range(2)]
+        compact_kv(cache[0], cache[1], torch.tensor(start, device=DEVICE), keep.to(DEVICE))
+        assert torch.equal(cache[0], expected[0]) and torch.equal(cache[1], expected[1]), (trial, keep.tolist())
+
+
+def test_cache_compact_uses_the_same_moves():
+    """`KVCache.compact` (the kernel on CUDA, index_select + index_copy_ elsewhere) on a cache whose
+    slots hold their own index: slot start + j ends up holding start + order[j]."""
+    cache = KVCache(layers=2, slots=40, kv_heads=1, head_dim=16, device=DEVICE, dtype=torch.float32)
+    cache.k[:] = torch.arange(40, device=DEVICE, dtype=torch.float32)[None, :, None, None]
+    cache.v[:] = -cache.k
+    order = torch.tensor([0, 3, 4, 9, 1, 2], device=DEVICE)
+    cache.compact(torch.tensor(20, device=DEVICE), order)
+    assert cache.k[0, 20:26, 0, 0].tolist() == [20, 23, 24, 29, 21, 22]
+    assert torch.equal(cache.v, -cache.k)
+    assert cache.k[1, :20, 0, 0].tolist() == list(range(20)) and cache.k[1, 26:, 0, 0].tolist() == list(range(26, 40))

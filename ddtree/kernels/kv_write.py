@@ -1,4 +1,4 @@
-"""Writing one layer's new keys and values into the KV cache as one Triton kernel.
+"""Writing new keys and values into the KV cache, and compacting it after a round, as Triton kernels.
 
 `KVCache.write` with PyTorch is two `index_copy_` launches per layer, 72 per Qwen3-8B forward,
 each a few microseconds of latency for a few hundred kilobytes (on an H200: 163 us per one-token
@@ -6,7 +6,11 @@ forward, 217 us at 257 tokens). Here one program per (new token, layer) reads it
 in place (views of the fused projection's rows) and stores them at its slot: one launch per layer
 (52 us and 58 us there, benchmarks/README.md), or one for all layers (the drafter's context).
 
-The result equals `index_copy_` exactly (it is a copy); tests run both, on the CPU through
+`compact_kv` moves the accepted tree nodes' entries into place in every layer at once: one launch
+for what `index_select` + `index_copy_` do in four (plus the index arithmetic), with all of a
+program's sources read before any of its writes, so overlapping moves are safe.
+
+The results equal `index_copy_` exactly (they are copies); tests run both, on the CPU through
 Triton's interpreter.
 """
 from __future__ import annotations
@@ -43,7 +47,43 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, 
                            H=hkv, D=d, HP=triton.next_power_of_2(hkv), DP=triton.next_power_of_2(d), num_warps=4)
 
 
+def compact_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, order: torch.Tensor) -> None:
+    """cache_k, cache_v [L, S, Hkv, D]; start [] long; order [M] long -> in every layer, slot
+    start + j takes what slot start + order[j] held, for j < M (the same as gathering all
+    sources first, then writing)."""
+    layers, _, hkv, d = cache_k.shape
+    m = order.shape[0]
+    row = hkv * d
+    mp = triton.next_power_of_2(m)
+    cols = min(triton.next_power_of_2(row), max(16, 8192 // mp))  # a program holds [mp, cols] entries
+    grid = (layers, 2, triton.cdiv(row, cols))
+    _compact_kv[grid](cache_k, cache_v, start, order, cache_k.stride(0), cache_k.stride(1), row, m,
+                      MP=mp, COLS=cols, num_warps=4)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _compact_kv(ck_ptr, cv_ptr, start_ptr, order_ptr, s_l, s_t, row, m, MP: tl.constexpr, COLS: tl.constexpr):
+        """Program (layer, k or v, column block): rows start + order[j] -> rows start + j, j < m."""
+        base = tl.program_id(0).to(tl.int64) * s_l
+        if tl.program_id(1) == 0:
+            _move_rows(ck_ptr + base, start_ptr, order_ptr, s_t, row, m, MP, COLS)
+        else:
+            _move_rows(cv_ptr + base, start_ptr, order_ptr, s_t, row, m, MP, COLS)
+
+    @triton.jit
+    def _move_rows(ptr, start_ptr, order_ptr, s_t, row, m, MP: tl.constexpr, COLS: tl.constexpr):
+        """Reads all of the program's sources, then (after a block barrier) writes: programs touch
+        disjoint columns, so no write can land before a read of the same entry."""
+        c = tl.program_id(2) * COLS + tl.arange(0, COLS)
+        j = tl.arange(0, MP)
+        live = (j < m)[:, None] & (c < row)[None, :]
+        start = tl.load(start_ptr)
+        src = start + tl.load(order_ptr + j, mask=j < m, other=0)
+        entries = tl.load(ptr + src[:, None] * s_t + c[None, :], mask=live)
+        tl.debug_barrier()
+        tl.store(ptr + (start + j)[:, None] * s_t + c[None, :], entries, mask=live)
 
     @triton.jit
     def _write_kv(k_ptr, v_ptr, slots_ptr, ck_ptr, cv_ptr, sk_n, sk_l, sk_h, sv_n, sv_l, sv_h, sc_l, sc_t, sc_h,

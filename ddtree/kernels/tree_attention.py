@@ -102,8 +102,8 @@ def key_range(mask: torch.Tensor) -> torch.Tensor:
     """mask [N, T] bool -> [N, 2] int32: each query's first visible key and last visible key + 1.
     Computed once per forward and shared by all layers; a program skips the key blocks outside
     the union of its queries' ranges (a tree's later nodes and the KV bucket's padding)."""
-    cols = torch.arange(mask.shape[1], device=mask.device, dtype=torch.int32)
-    first = torch.where(mask, cols, mask.shape[1]).amin(1)
+    cols = torch.arange(mask.shape[1], device=mask.device)  # int64 throughout: Inductor (2.11) fails
+    first = torch.where(mask, cols, mask.shape[1]).amin(1)  # on int32 reductions with a scalar fill
     last = torch.where(mask, cols, -1).amax(1) + 1
     return torch.stack([first, last], dim=1).to(torch.int32)
 

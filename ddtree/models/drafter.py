@@ -148,14 +148,10 @@ class DFlashDrafter(nn.Module):
         context_len: [] long (on the device); kv_len >= context_len + block (columns past the block are
         padding). Full layers see the context and the whole block; sliding layers are causal and windowed.
         """
-        device = context_len.device
-        positions = context_len + torch.arange(block, device=device)
-        cols = torch.arange(kv_len, device=device)[None, :]
-        full = (cols < context_len + block).expand(block, kv_len)
-        sliding = cols <= positions[:, None]
-        if self.config.sliding_window is not None:
-            sliding = sliding & (positions[:, None] - cols < self.config.sliding_window)
-        return {"full": AttentionMeta(positions, kv_len, full), "sliding": AttentionMeta(positions, kv_len, sliding)}
+        positions, full, full_ranges, sliding, sliding_ranges = self.ops.block_masks(
+            context_len, block, kv_len, self.config.sliding_window)
+        return {"full": AttentionMeta(positions, kv_len, full, ranges=full_ranges),
+                "sliding": AttentionMeta(positions, kv_len, sliding, ranges=sliding_ranges)}
 
     def forward(self, noise_embedding: torch.Tensor, metas: dict[str, AttentionMeta], cache: KVCache) -> torch.Tensor:
         """noise_embedding [b, H] at the positions `metas` give (its write slots) -> hidden [b, H].

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ddtree.kernels.tree_attention import key_range
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -104,6 +106,20 @@ def mask_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tenso
     return bias.repeat(group, 1)
 
 
+def block_masks(context_len: torch.Tensor, block: int, kv_len: int, window: int | None):
+    """A drafter block at positions context_len .. context_len + block - 1 (context_len [] long)
+    -> (positions [b], full [b, kv_len], its key ranges [b, 2], sliding [b, kv_len], its key
+    ranges): full layers see the context and the whole block, sliding ones are causal (and
+    windowed); columns past the block are padding."""
+    positions = context_len + torch.arange(block, device=context_len.device)
+    cols = torch.arange(kv_len, device=context_len.device)[None, :]
+    full = (cols < context_len + block).expand(block, kv_len)
+    sliding = cols <= positions[:, None]
+    if window is not None:
+        sliding = sliding & (positions[:, None] - cols < window)
+    return positions, full, key_range(full), sliding, key_range(sliding)
+
+
 class LayerOps:
     """The functions a layer calls: eager, or compiled once for all layers (CUDA)."""
 
@@ -117,11 +133,12 @@ class LayerOps:
             self.rms_norm = torch.compile(rms_norm, dynamic=True, fullgraph=True)
             self.final_norm = torch.compile(final_norm, dynamic=True, fullgraph=True)
             self.mask_bias = torch.compile(mask_bias, dynamic=True, fullgraph=True)
+            self.block_masks = torch.compile(block_masks, dynamic=True, fullgraph=True)
         else:
             self.project_kv, self.project_context_kv = project_kv, project_context_kv
             self.project_qkv, self.finish_layer, self.rms_norm = project_qkv, finish_layer, rms_norm
             self.project_qkv_split, self.final_norm = project_qkv_split, final_norm
-            self.mask_bias = mask_bias
+            self.mask_bias, self.block_masks = mask_bias, block_masks
 
 
 EAGER = LayerOps(compiled=False)

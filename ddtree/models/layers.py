@@ -91,6 +91,7 @@ class AttentionMeta:
     kv_len: int
     mask: torch.Tensor | None
     causal: bool = False
+    ranges: torch.Tensor | None = None  # `tree_attention.key_range(mask)` when the caller made it with the mask
     _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
 
     def bias(self, group: int, dtype: torch.dtype, make=mask_bias) -> torch.Tensor:
@@ -104,6 +105,8 @@ class AttentionMeta:
 
     def key_range(self) -> torch.Tensor:
         """`tree_attention.key_range(mask)` [N, 2], computed once per forward and shared by all layers."""
+        if self.ranges is not None:
+            return self.ranges
         if "key_range" not in self._shared:
             self._shared["key_range"] = tree_attention.key_range(self.mask)
         return self._shared["key_range"]
