@@ -9,7 +9,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from ddtree.config import SamplingParams
+from ddtree.config import DDTreeError, SamplingParams
 from ddtree.llm import LLM
 from ddtree.server.app import create_app
 from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
@@ -216,3 +216,29 @@ def test_serve_flags_and_environment(monkeypatch):
     assert (args.port, args.tree_budget, args.api_key, args.host) == (9123, "chain", "sk-env", "0.0.0.0")
     args = build_parser().parse_args(["serve", "--port", "1", "--tree-budget", "auto"])
     assert (args.port, args.tree_budget) == (1, "auto")
+
+
+def test_serve_warmup_flag_and_environment(monkeypatch):
+    from ddtree.cli import build_parser
+    from ddtree.server.main import flag_enabled
+
+    assert build_parser().parse_args(["serve"]).warmup is False
+    assert build_parser().parse_args(["serve", "--warmup"]).warmup is True
+    monkeypatch.setenv("DDTREE_WARMUP", "1")
+    assert flag_enabled(build_parser().parse_args(["serve"]).warmup, "warmup") is True
+    assert flag_enabled("off", "warmup") is False and flag_enabled(" Yes ", "warmup") is True
+    with pytest.raises(DDTreeError, match="DDTREE_WARMUP must be one of"):
+        flag_enabled("maybe", "warmup")
+
+
+def test_load_with_warmup_prepares_the_default_budget(demo_pair):
+    """--warmup runs `LLM.warmup` on the default budget before serving (on CUDA: captures every
+    graph); without it nothing is prepared until a request arrives."""
+    from ddtree.server.main import _load
+
+    args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
+                              max_model_len=96)
+    cold = _load(args, "chain")
+    assert cold.engine.buffers == {}
+    warm = _load(args, "chain", warmup=True)
+    assert list(warm.engine.buffers) == ["chain"]

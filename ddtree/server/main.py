@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from ddtree.cli import add_model_args
@@ -23,7 +24,8 @@ log = logging.getLogger("ddtree.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # same as ddtree.server.app, without importing FastAPI here
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
-             "served_model_name", "api_key", "max_request_bytes", "log_level")
+             "served_model_name", "api_key", "max_request_bytes", "log_level", "warmup")
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def register(subparsers) -> None:
@@ -42,12 +44,27 @@ def register(subparsers) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies are answered 400 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--warmup", action="store_true",
+                   help="on CUDA, capture every graph of the default tree budget (all prefill lengths and KV "
+                        "buckets) before serving: no capture pauses on first requests, for start-up time and GPU "
+                        "memory (a logits buffer per KV bucket); DDTREE_WARMUP=1 sets it")
     env = {flag: os.environ[f"DDTREE_{flag.upper()}"] for flag in ENV_FLAGS if os.environ.get(f"DDTREE_{flag.upper()}")}
     p.set_defaults(func=cmd_serve, **env)
 
 
-def _load(args: argparse.Namespace, budget):
-    """Load the pair and settle its default tree budget (measuring it for 'auto')."""
+def flag_enabled(value: bool | str, name: str) -> bool:
+    """A boolean flag from the command line (bool) or the environment (one of TRUE_WORDS / FALSE_WORDS)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise DDTreeError(f"DDTREE_{name.upper()} must be one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}, got {value!r}")
+    return word in TRUE_WORDS
+
+
+def _load(args: argparse.Namespace, budget, warmup: bool = False):
+    """Load the pair, settle its default tree budget (measuring it for 'auto') and, with `warmup`,
+    capture that budget's graphs."""
     from ddtree.llm import LLM
 
     fixed = budget not in (None, "auto")
@@ -59,6 +76,13 @@ def _load(args: argparse.Namespace, budget):
         log.info("tree budget 'auto': measuring budgets for this machine")
         llm.default_budget = parse_tree_budget(resolve_auto_budget(llm, llm.draft_path, log=log.info))
         log.info("tree budget 'auto' chose %s", llm.default_budget)
+    if warmup:
+        start = time.perf_counter()
+        llm.warmup()
+        e = llm.engine
+        graphs = len(e.prefill_graphs) + len(e.front_graphs) + len(e.back_graphs)
+        log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", llm.default_budget,
+                 time.perf_counter() - start, graphs)
     return llm
 
 
@@ -71,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
     if args.max_request_bytes < 1:
         raise DDTreeError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    warmup = flag_enabled(args.warmup, "warmup")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or Path(args.target or DEFAULT_TARGET).name
     outcome: dict[str, object] = {"exit": 0}
@@ -87,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            llm = _load(args, budget)
+            llm = _load(args, budget, warmup)
             app.state.worker.attach(llm, "auto" if budget == "auto" else "fixed")
             log.info("serving %r on http://%s:%d", name, args.host, args.port)
         except BaseException as exc:  # reported after the HTTP server has stopped
