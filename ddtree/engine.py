@@ -162,7 +162,6 @@ class Engine:
         self.prefill_lengths = prefill_lengths(min(PREFILL_PAD_MAX, max_model_len)) if pad else []
         longest = self.prefill_lengths[-1] if self.prefill_lengths else 0
         self.prompt_tokens = torch.zeros(longest, dtype=torch.long, device=self.device)  # past n: padding
-        self.prompt_positions = torch.arange(longest, device=self.device)
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._one = torch.ones(1, dtype=torch.long, device=self.device)  # ar's acceptance length
         self.buffers: dict[TreeBudget, RoundBuffers] = {}
@@ -241,17 +240,20 @@ class Engine:
             self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
         bufs.summary.copy_(torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]))
 
-    def _prefill(self, length: int) -> torch.Tensor:
-        """The prompt in prompt_tokens[:n], padded to `length` -> logits [1, V] (float32) at its
-        last token. Writes both caches' slots [0, length): the drafter's context always, so one
-        graph serves every budget."""
-        tokens, positions = self.prompt_tokens[:length], self.prompt_positions[:length]
-        meta = AttentionMeta(positions, length, None, causal=True)
-        logits, features = self.target(tokens, positions, meta, self.cache, self.feature_layers,
-                                       logit_rows=(self.n - 1).reshape(1))
+    def _prefill(self, tokens: torch.Tensor, last: torch.Tensor | slice, taps: list[int] | None) -> torch.Tensor:
+        """tokens [L] at positions 0 .. L - 1 (causal) -> logits [1, V] (float32) of row `last`.
+        Writes the target cache's slots [0, L) and, with `taps`, the drafter's context there."""
+        positions = torch.arange(tokens.shape[0], device=self.device)
+        meta = AttentionMeta(positions, tokens.shape[0], None, causal=True)
+        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=last)
         if features is not None:
             self.drafter.append_context(features, positions, self.draft_cache)
         return logits
+
+    def _padded_prefill(self, length: int) -> torch.Tensor:
+        """The prompt in prompt_tokens[:n], padded to `length`: `_prefill` with the drafter's
+        context always written, so that one graph serves every budget."""
+        return self._prefill(self.prompt_tokens[:length], (self.n - 1).reshape(1), self.feature_layers)
 
     # -- graphs --------------------------------------------------------------------------------
 
@@ -281,10 +283,10 @@ class Engine:
 
     def _run_prefill(self, length: int) -> torch.Tensor:
         if not self.use_graphs:
-            return self._prefill(length)
+            return self._padded_prefill(length)
         if length not in self.prefill_graphs:
             start = time.perf_counter()
-            self.prefill_graphs[length] = self._capture(lambda: self._prefill(length))
+            self.prefill_graphs[length] = self._capture(lambda: self._padded_prefill(length))
             log.info("captured prefill graph length=%d in %.2f s", length, time.perf_counter() - start)
         graph, logits = self.prefill_graphs[length]
         graph.replay()
@@ -344,7 +346,7 @@ class Engine:
         self.n.fill_(1)  # the prefill's logit row is n - 1
         for length in self.prefill_lengths:
             if length not in self.prefill_graphs:
-                self.prefill_graphs[length] = self._capture(lambda: self._prefill(length))
+                self.prefill_graphs[length] = self._capture(lambda: self._padded_prefill(length))
         self.n.zero_()
         self._host_n = 0
         for kv_len in self.front_kv_lens(budget):
@@ -374,12 +376,7 @@ class Engine:
             logits = self._run_prefill(length)
         else:
             tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-            positions = torch.arange(p, device=self.device)
-            meta = AttentionMeta(positions, p, None, causal=True)
-            taps = self.feature_layers if budget != AR else None
-            logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=slice(p - 1, p))
-            if budget != AR:
-                self.drafter.append_context(features, positions, self.draft_cache)
+            logits = self._prefill(tokens, slice(p - 1, p), self.feature_layers if budget != AR else None)
         self.root.copy_(choose_tokens(logits, params, generator)[0])
         self._host_n = p
         yield Step([int(self.root)], 0)  # host sync: the first token is needed now (time to first token)
