@@ -1,7 +1,7 @@
 """End-to-end decoding speed of the demo pair on a GPU, graphs on, with output parity.
 
     python benchmarks/e2e.py [--budgets ar,chain,16,...] [--num-prompts 16] [--max-tokens 128]
-        [--no-eager-parity] [--output FILE.json]
+        [--no-eager-parity] [--no-overlap] [--output FILE.json]
 
 For each budget: output tokens/s over held-out stdlib prompts (greedy, the same prompts for
 every budget, after capturing all of the budget's graphs and one warm-up prompt), mean acceptance
@@ -37,10 +37,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-eager-parity", action="store_true", help="skip the eager path's run of every prompt")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each round's summary before launching the next (Engine overlap=False)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
 
-    graphs = LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=True)
+    graphs = LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=True, overlap=not args.no_overlap)
     same = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket, padded_prefill=True) if args.dtype != "float32" else {}
     eager = None if args.no_eager_parity else \
         LLM(args.target, args.draft, device="cuda", dtype=args.dtype, use_graphs=False, **same)
@@ -59,6 +61,7 @@ def main() -> None:
             torch.cuda.synchronize()
             t = time.perf_counter()
             r = graphs.generate(prompt, params, budget)
+            torch.cuda.synchronize()  # a round launched ahead past the last token counts too
             seconds += time.perf_counter() - t
             tokens += len(r.token_ids)
             accept.extend(r.stats.acceptance_lengths)
@@ -106,7 +109,7 @@ def write_result(args, graphs: LLM, rows: list[dict], outputs: dict, prompts: in
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
         "git_revision": git_revision(),
         "models": {"target": str(graphs.target_path), "draft": str(graphs.draft_path)},
-        "dtype": args.dtype, "num_prompts": prompts, "max_tokens": args.max_tokens,
+        "dtype": args.dtype, "num_prompts": prompts, "max_tokens": args.max_tokens, "overlap": not args.no_overlap,
         "graph_capture_seconds": graphs.engine.capture_seconds,
         "rows": rows,
         "best_tree_budget": best and best["tree_budget"],

@@ -104,7 +104,8 @@ def time_graph(engine: Engine, fn, reps: int = 20) -> float:
 def stage_times(engine: Engine, budget) -> dict:
     """Replay each stage alone as a CUDA graph at the engine's current state (mid-sequence).
     Every stage writes only scratch slots past the committed length, so replays are harmless."""
-    kv_len = engine._front_kv_len(budget, engine._host_n)
+    # The next round may already be in flight: n is at most one round's keep past what the host read.
+    kv_len = engine._front_kv_len(budget, engine._host_n + engine.buffers[budget].keep)
     out = {"draft_ms": 0.0, "build_ms": 0.0}
     if budget != AR:
         out["draft_ms"] = time_graph(engine, lambda: engine._draft_logprobs(engine.root, engine.n, kv_len))

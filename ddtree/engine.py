@@ -14,8 +14,16 @@ A round is two fixed-shape halves around the target's choice at each node:
   nodes' KV entries into place, appends their features to the drafter's context and writes a
   summary [acceptance length, the kept nodes' tokens, bonus].
 On CUDA each half is a CUDA graph (front: one per budget and KV-length bucket; back: one per
-budget); on the CPU the same functions run eagerly. The only host sync of a round is reading the
-summary.
+budget); on the CPU the same functions run eagerly. The back also advances the committed length
+`n` and the root on the device, so the next round needs nothing from the host but a KV bucket.
+
+Rounds overlap with the host (`overlap`, on by default): round r + 1 is launched before round r's
+summary is read, so the host's work on round r's tokens (text, stop rules, streaming) runs while
+the GPU computes round r + 1 instead of leaving it idle. Round r + 1's KV bucket comes from an
+upper bound of n (round r accepts at most `keep` nodes). A request that stops leaves one launched
+round behind; it writes only slots past its committed length, so the next request is unaffected.
+Near max_tokens, where round r may end the request by length, round r + 1 waits for round r's
+summary instead. The only host sync of a round is reading its summary.
 
 The prefill of a prompt of up to PREFILL_PAD_MAX tokens is padded to the next of a few fixed
 lengths (`prefill_lengths`), on CUDA one graph each: one replay instead of ~100 launches and the
@@ -79,6 +87,12 @@ class RoundBuffers:
         self.features = torch.zeros(size, max(feature_dim, 1), dtype=dtype, device=device)
         self.choices = torch.zeros(size, dtype=torch.long, device=device)
         self.summary = torch.zeros(keep + 2, dtype=torch.long, device=device)
+        # Two host copies of the summary, so that round r + 1's copy can be in flight while round
+        # r's is read; pinned on CUDA (an asynchronous copy needs page-locked memory).
+        cuda = torch.device(device).type == "cuda"
+        self.summary_host = [torch.zeros(keep + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.summary_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.rounds = 0  # rounds launched: which host copy the next one uses
 
     def store(self, tree: Tree) -> None:
         self.tokens.copy_(tree.tokens)
@@ -124,9 +138,12 @@ def verify_mask(n: torch.Tensor, visible: torch.Tensor, kv_len: int) -> tuple[to
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
                  use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None,
-                 fused_tree: bool | None = None, padded_prefill: bool | None = None):
+                 fused_tree: bool | None = None, padded_prefill: bool | None = None, overlap: bool = True):
         """padded_prefill (default: use_graphs): prefill short prompts padded to `prefill_lengths`
-        (what graphs need; an eager engine given it runs the graphs' exact shapes)."""
+        (what graphs need; an eager engine given it runs the graphs' exact shapes).
+        overlap: launch each round before reading the previous round's summary (module docstring);
+        False reads every summary before the next launch. The tokens are the same either way."""
+        self.overlap = overlap
         self.target = target
         self.drafter = drafter
         self.max_model_len = max_model_len
@@ -151,12 +168,21 @@ class Engine:
         self.block_size = drafter.config.block_size if drafter is not None else 0
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
         self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
+        # The drafter's input block [b, H]: the root's embedding, then b - 1 mask tokens' (scaled as
+        # the drafter's config says), which never change; each round writes only row 0.
+        self.draft_noise = None
+        if drafter is not None:
+            mask = torch.full((self.block_size,), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                noise = target.embed_tokens(mask)
+                scale = drafter.config.input_embedding_scale
+                self.draft_noise = noise * scale if scale != 1.0 else noise
         # Slack past the longest sequence: the scratch slots of the largest tree (or block), bucketed.
         slots = max_model_len + MAX_TREE_BUDGET + 1 + self.kv_bucket
         self.cache = target.new_cache(slots, self.device, self.dtype)
         self.draft_cache = drafter.new_cache(slots, self.device, self.dtype) if drafter is not None else None
         self.n = torch.zeros((), dtype=torch.long, device=self.device)  # committed length
-        self._host_n = 0  # the same, known on the host after each round's sync
+        self._host_n = 0  # the same after the last round whose summary the host has read
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # next bonus token
         pad = self.use_graphs if padded_prefill is None else padded_prefill
         self.prefill_lengths = prefill_lengths(min(PREFILL_PAD_MAX, max_model_len)) if pad else []
@@ -179,14 +205,12 @@ class Engine:
     def _draft_logprobs(self, root: torch.Tensor, n: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> log-probs [b-1, V].
         kv_len >= n + b: the (bucketed) number of drafter cache slots read."""
-        cfg = self.drafter.config
-        b = self.block_size
-        block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=self.device)
-        block[0] = root
-        noise = self.target.embed_tokens(block)
-        if cfg.input_embedding_scale != 1.0:
-            noise = noise * cfg.input_embedding_scale
-        hidden = self.drafter(noise, self.drafter.block_metas(n, b, kv_len), self.draft_cache)
+        scale = self.drafter.config.input_embedding_scale
+        noise = self.draft_noise  # rows 1.. hold the mask token's embedding since __init__
+        torch.index_select(self.target.embed_tokens.weight, 0, root.reshape(1), out=noise[:1])
+        if scale != 1.0:
+            noise[:1].mul_(scale)
+        hidden = self.drafter(noise, self.drafter.block_metas(n, self.block_size, kv_len), self.draft_cache)
         return F.log_softmax(self.drafter.logits(hidden[1:], self.target.lm_head), dim=-1)
 
     def _build(self, budget: TreeBudget, logp: torch.Tensor, root: torch.Tensor) -> None:
@@ -231,14 +255,17 @@ class Engine:
         if budget == AR:
             # One node, whose entries the verify already wrote at slot n: nothing to walk or move.
             bufs.summary.copy_(torch.cat([self._one, tree.tokens[:1], bufs.choices[:1]]))
+            self.n.add_(1)
+            self.root.copy_(bufs.choices[0])
             return
         result = self.walk_fn(tree, bufs.choices)
         keep = result.order[: bufs.keep]
         self.cache.compact(self.n, keep)
-        if budget != AR:
-            positions = self.n + torch.arange(bufs.keep, device=self.device)
-            self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
+        positions = self.n + torch.arange(bufs.keep, device=self.device)
+        self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
         bufs.summary.copy_(torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]))
+        self.n.add_(result.length)
+        self.root.copy_(result.bonus)
 
     def _prefill(self, tokens: torch.Tensor, last: torch.Tensor | slice, taps: list[int] | None) -> torch.Tensor:
         """tokens [L] at positions 0 .. L - 1 (causal) -> logits [1, V] (float32) of row `last`.
@@ -268,8 +295,9 @@ class Engine:
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
-    def _run_front(self, budget: TreeBudget) -> torch.Tensor:
-        kv_len = self._front_kv_len(budget, self._host_n)
+    def _run_front(self, budget: TreeBudget, n_bound: int) -> torch.Tensor:
+        """The front at the device's n, known on the host only as n <= n_bound."""
+        kv_len = self._front_kv_len(budget, n_bound)
         if not self.use_graphs:
             return self._front(budget, kv_len)
         key = (budget, kv_len)
@@ -381,14 +409,41 @@ class Engine:
         self._host_n = p
         yield Step([int(self.root)], 0)  # host sync: the first token is needed now (time to first token)
 
+        outputs = 1  # tokens yielded so far
+        in_flight = None  # the launched round whose summary is not read yet: its host copy's index
         while True:
-            logits = self._run_front(budget)
-            bufs.choices.copy_(choose_tokens(logits, params, generator))
-            self._run_back(budget)
+            launched = None
+            # Launch ahead only while the unread round cannot end the request by length.
+            if in_flight is None or (self.overlap and outputs + bufs.keep < params.max_tokens):
+                ahead = bufs.keep if in_flight is not None else 0  # what the unread round may add to n
+                launched = self._launch_round(budget, self._host_n + ahead, params, generator)
+            if in_flight is not None:
+                summary = self._read_summary(bufs, in_flight)
+                a = summary[0]
+                self._host_n += a
+                outputs += a
+                yield Step(summary[2 : 1 + a] + [summary[-1]], a)
+            in_flight = launched
+
+    def _launch_round(self, budget: TreeBudget, n_bound: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> int:
+        """Queue one round (front, choice, back) and the copy of its summary to the host; return
+        the index of the host copy. Nothing here waits for the GPU."""
+        bufs = self.buffers[budget]
+        logits = self._run_front(budget, n_bound)
+        bufs.choices.copy_(choose_tokens(logits, params, generator))
+        self._run_back(budget)
+        index = bufs.rounds % 2
+        bufs.rounds += 1
+        bufs.summary_host[index].copy_(bufs.summary, non_blocking=True)
+        if bufs.summary_ready[index] is not None:
+            bufs.summary_ready[index].record()
+        return index
+
+    @staticmethod
+    def _read_summary(bufs: RoundBuffers, index: int) -> list[int]:
+        """[acceptance length a, kept tokens (keep), bonus] of a launched round."""
+        if bufs.summary_ready[index] is not None:
             # The round's one host sync: acceptance length, kept tokens and bonus, together.
-            summary = bufs.summary.tolist()
-            a = summary[0]
-            self.root.copy_(bufs.summary[-1])
-            self._host_n += a
-            self.n.fill_(self._host_n)
-            yield Step(summary[2 : 1 + a] + [summary[-1]], a)
+            bufs.summary_ready[index].synchronize()
+        return bufs.summary_host[index].tolist()

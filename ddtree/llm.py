@@ -84,6 +84,7 @@ class LLM:
         fused_tree: bool | None = None,
         kv_bucket: int | None = None,
         padded_prefill: bool | None = None,
+        overlap: bool = True,
     ):
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
@@ -114,7 +115,7 @@ class LLM:
         self.vocab_size = cfg.vocab_size
         self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
                              compile_layers=compile_layers, fused_tree=fused_tree,
-                             padded_prefill=padded_prefill)
+                             padded_prefill=padded_prefill, overlap=overlap)
 
     # -- facts the server and benchmark report -----------------------------------------------
 

@@ -168,3 +168,32 @@ def test_engine_drafts_equal_reference_during_generation(pair: Pair, monkeypatch
             assert root == seq[n], "the round's root is the committed sequence's next token"
             ref_logp = reference_draft_logprobs(pair.hf, pair.ref, seq, n)
             assert (logp - ref_logp).abs().max() < 1e-4, f"budget {budget}, round at n={n}"
+
+
+@torch.no_grad()
+def test_engine_block_embedding_with_an_input_scale(tmp_path, monkeypatch):
+    """The engine keeps the block's mask-token rows from __init__ and writes only the root's row
+    each round: with an `input_embedding_scale`, the drafter's input still equals
+    embed([root, mask, ..., mask]) x scale, as the drafter's config defines it."""
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "drafter"
+    make_target(target_dir, "qwen3", layers=4)
+    make_drafter(draft_dir, target_dir, layers=1, block_size=6)
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg["dflash_config"]["input_embedding_scale"] = 2.5
+    (draft_dir / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(target_dir, draft_dir, device="cpu", dtype="float32", max_model_len=64)
+    engine = llm.engine
+    assert engine.drafter.config.input_embedding_scale == 2.5
+    seen = []
+    real_forward = type(engine.drafter).forward
+
+    def recording(self, noise, metas, cache):
+        seen.append(noise.clone())
+        return real_forward(self, noise, metas, cache)
+
+    monkeypatch.setattr(type(engine.drafter), "forward", recording)
+    mask = engine.drafter.config.mask_token_id
+    for root in (3, 17, mask):
+        engine._draft_logprobs(torch.tensor(root), torch.tensor(0), 16)
+        block = torch.tensor([root] + [mask] * 5)
+        assert torch.equal(seen[-1], engine.target.embed_tokens(block) * 2.5)

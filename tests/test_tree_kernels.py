@@ -18,11 +18,14 @@ from ddtree.kernels.tree_build import TreeBuildPlan, candidates  # noqa: E402
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def draft_logp(depths: int, vocab: int, seed: int, levels: int = 0, dead_from: int | None = None) -> torch.Tensor:
+def draft_logp(depths: int, vocab: int, seed: int, levels: int = 0, dead_from: int | None = None,
+               sure: int = 0) -> torch.Tensor:
     """Log-probs [depths, vocab]: `levels` > 0 quantises logits (many ties); `dead_from` makes
-    depths from there on certain of a few tokens and -inf elsewhere."""
+    depths from there on certain of a few tokens and -inf elsewhere; the first `sure` depths are
+    near certain of one token (a deep chain through them, then a wide tree)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(depths, vocab, generator=gen) * 3
+    logits[:sure, seed % vocab] += 30.0
     if levels:
         logits = (logits * levels).round() / levels
     if dead_from is not None:
@@ -66,7 +69,21 @@ SMALL = [
     (1, 15, 40, dict(seed=6)),
     (5, 1, 40, dict(seed=7)),  # one depth
     (48, 4, 100, dict(seed=8, levels=1)),
+    (16, 15, 50, dict(seed=9, sure=15)),  # one chain through every depth: no level is skipped
+    (32, 15, 30, dict(seed=10, sure=6, levels=2)),  # deepest node at depth 12: the last levels skipped
 ]
+
+
+def test_the_cases_cover_full_depth_and_skipped_levels():
+    """The select kernel skips the levels below the running B-th best: the cases above include
+    trees that reach the last depth (nothing skipped) and trees that stop well before it."""
+    deepest = {}
+    for budget, depths, vocab, kw in SMALL:
+        tree = build_tree(draft_logp(depths, vocab, **kw), torch.tensor(5, device=DEVICE), budget)
+        deepest[(budget, depths, kw["seed"])] = (int(tree.depths.max()), depths)
+    assert deepest[(16, 15, 9)] == (15, 15)
+    assert 9 < deepest[(32, 15, 10)][0] < 14
+    assert sum(d < total for d, total in deepest.values()) >= 4
 
 
 @pytest.mark.parametrize("selection", ["sort", "topk"])

@@ -9,7 +9,11 @@ over B x B candidates each time); on a small target that is most of a round. Her
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
   many candidates beat or tie it with a smaller position), so each level takes the top B of ~B ln B
-  keys, not of B^2;
+  keys, not of B^2. A level's scores stay in registers for the next level (read back from its
+  keys, no trip through memory), and a running global top-B is merged level by level. The next
+  level's best node is known before it is built (the best parent plus the best token, both rank
+  0), so when it falls below the running B-th best, that level and every deeper one (a child
+  never beats its parent) are skipped: a shallow tree builds only the levels it has;
 - visibility (grid: row blocks): each row's ancestors, by following parent pointers.
 
 The output equals `build_tree` exactly (tests run both on random and tie-heavy inputs, on the GPU
@@ -29,7 +33,6 @@ except ImportError:  # the CPU install has no Triton: `build_tree` is used inste
     triton = None
 
 MAX_SORT = 8192  # the largest key block one program sorts (registers, not a correctness limit)
-MAX_FINAL_SORT = 16384  # the global top-B over D x B level entries: D = 15, B = 1024 fits
 
 
 def _pow2(n: int) -> int:
@@ -67,21 +70,18 @@ class TreeBuildPlan:
         self.cand_count = cand_i.numel()
         self.budget_pad = max(2, _pow2(budget))
         self.cand_pad = max(self.budget_pad, _pow2(self.cand_count))
-        self.final_pad = max(self.budget_pad, _pow2(depth_count * budget))
-        self.supported = (triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
-                          and self.final_pad <= MAX_FINAL_SORT)
-        biggest = max(self.cand_pad, self.final_pad)
-        # H200, Qwen3 vocabulary, budget 256: select 274 us at 8 warps, 219 at 16 (benchmarks/README.md)
-        self.select_warps = select_warps or (16 if biggest > 1024 else 4)
+        self.supported = triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
+        # H200, demo vocabulary (benchmarks/README.md, tree build): 4 warps best at budget 32
+        # (256 candidate keys), 8 at 64 and 128 (512, 1024); 16 at 256 (Qwen3 vocabulary).
+        self.select_warps = select_warps or (4 if self.cand_pad <= 256 else 8 if self.cand_pad <= 1024 else 16)
         self.rank_warps = rank_warps
         d, b = depth_count, budget
         self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
         self.heads = torch.empty(d, self.chunks, self.kp, dtype=torch.int64, device=device)
         self.ranked_logp = torch.empty(d, self.k, dtype=torch.float32, device=device)
         self.ranked_tok = torch.empty(d, self.k, dtype=torch.int64, device=device)
-        self.level_score = torch.empty(d, b, dtype=torch.float32, device=device)
         self.level_parent = torch.empty(d, b, dtype=torch.int32, device=device)
-        self.level_token = torch.empty(d, b, dtype=torch.int64, device=device)
+        self.level_rank = torch.empty(d, b, dtype=torch.int32, device=device)
         self.node_of = torch.empty(d, b, dtype=torch.int32, device=device)
 
     def build(self, logp: torch.Tensor, root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
@@ -111,10 +111,10 @@ class TreeBuildPlan:
 
         def select():
             _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
-                          self.level_score, self.level_parent, self.level_token, self.node_of,
+                          self.level_parent, self.level_rank, self.node_of,
                           tokens, parents, depths, valid.view(torch.uint8),
                           D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
-                          IB1=_bits(b * self.k), FP=self.final_pad, IB2=_bits(d * b), TOPK=self.topk,
+                          IB1=_bits(b * self.k), IB2=_bits(d * b), TOPK=self.topk,
                           num_warps=self.select_warps)
 
         def write_visible():
@@ -157,6 +157,12 @@ if triton is not None:
         return (1 << IB) - 1 - (key & ((1 << IB) - 1))
 
     @triton.jit
+    def _value(key, IB: tl.constexpr):
+        """The float32 a key was made from (`_key` inverted; -0.0 comes back as +0.0)."""
+        t = (key >> IB) - 2147483648
+        return tl.where(t >= 0, t, t ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _rank_chunks(logp_ptr, heads_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr, CHUNKS: tl.constexpr,
                      IB: tl.constexpr, TOPK: tl.constexpr):
         """Program (depth, chunk): the chunk's best KP keys, best first, into heads[depth, chunk]."""
@@ -184,58 +190,60 @@ if triton is not None:
         tl.store(ranked_tok_ptr + d * K + o, tok, mask=first)
 
     @triton.jit
-    def _select(rlogp_ptr, rtok_ptr, root_ptr, cand_i_ptr, cand_j_ptr,
-                lscore_ptr, lparent_ptr, ltoken_ptr, node_of_ptr,
+    def _select(rlogp_ptr, rtok_ptr, root_ptr, cand_i_ptr, cand_j_ptr, lparent_ptr, lrank_ptr, node_of_ptr,
                 tokens_ptr, parents_ptr, depths_ptr, valid_ptr,
                 D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, C: tl.constexpr,
-                CP: tl.constexpr, IB1: tl.constexpr, FP: tl.constexpr, IB2: tl.constexpr, TOPK: tl.constexpr):
-        """One program: levels, global top-B, node numbering. Scratch goes through global memory;
-        `debug_barrier` (a block-wide barrier) makes one step's stores visible to the next's loads."""
+                CP: tl.constexpr, IB1: tl.constexpr, IB2: tl.constexpr, TOPK: tl.constexpr):
+        """One program: levels, global top-B, node numbering. Level entry (d, r) (the level's r-th
+        best) has global position d * B + r; its parent rank and token rank go to lparent / lrank
+        [D, B], read back once at the end after a block-wide barrier (`debug_barrier`)."""
         neg_inf = float("-inf")
         r = tl.arange(0, BP)
-        first = r < K
-        tl.store(lscore_ptr + r, tl.load(rlogp_ptr + r, mask=first, other=neg_inf), mask=r < B)
-        tl.store(lparent_ptr + r, tl.zeros([BP], tl.int32), mask=r < B)
-        tl.store(ltoken_ptr + r, tl.load(rtok_ptr + r, mask=first, other=0), mask=r < B)
+        top = r < B
+        score = tl.load(rlogp_ptr + r, mask=r < K, other=neg_inf)  # level 0: the first depth's ranking
+        tl.store(lparent_ptr + r, tl.zeros([BP], tl.int32), mask=top)
+        tl.store(lrank_ptr + r, r, mask=top)
+        best = tl.where(top, _key(score, r, IB2), -1)  # the running global top-B, best first
+        floor = tl.min(tl.where(top, best, 9223372036854775807))  # its B-th best key
 
         c = tl.arange(0, CP)
         live = c < C
         ci = tl.load(cand_i_ptr + c, mask=live, other=0)
         cj = tl.load(cand_j_ptr + c, mask=live, other=0)
-        top = r < B
-        for d in range(1, D):
-            tl.debug_barrier()
-            v = tl.load(lscore_ptr + (d - 1) * B + ci, mask=live, other=neg_inf) + \
-                tl.load(rlogp_ptr + d * K + cj, mask=live, other=neg_inf)
-            best = _best(tl.where(live, _key(v, ci * K + cj, IB1), -1), CP, BP, TOPK)  # [BP]
-            pos = _position(best, IB1)
-            i = (pos // K).to(tl.int32)
-            j = pos % K
-            value = tl.load(lscore_ptr + (d - 1) * B + i, mask=top, other=neg_inf) + \
-                tl.load(rlogp_ptr + d * K + j, mask=top, other=neg_inf)
-            tl.store(lscore_ptr + d * B + r, value, mask=top)
-            tl.store(lparent_ptr + d * B + r, i, mask=top)
-            tl.store(ltoken_ptr + d * B + r, tl.load(rtok_ptr + d * K + j, mask=top, other=0), mask=top)
+        d = tl.program_id(0) + 1
+        if D > 1:
+            go = _key(tl.max(score) + tl.load(rlogp_ptr + K), d * B, IB2) > floor
+        else:
+            go = d < 1
+        while go:
+            v = tl.gather(score, ci, 0) + tl.load(rlogp_ptr + d * K + cj, mask=live, other=neg_inf)
+            level = _best(tl.where(live, _key(v, ci * K + cj, IB1), -1), CP, BP, TOPK)  # [BP]
+            pos = _position(level, IB1)
+            tl.store(lparent_ptr + d * B + r, (pos // K).to(tl.int32), mask=top)
+            tl.store(lrank_ptr + d * B + r, (pos % K).to(tl.int32), mask=top)
+            score = tl.where(top, _value(level, IB1), neg_inf)
+            merged = tl.reshape(tl.join(best, tl.where(top, _key(score, d * B + r, IB2), -1)), [2 * BP])
+            best = tl.where(top, _best(merged, 2 * BP, BP, TOPK), -1)
+            floor = tl.min(tl.where(top, best, 9223372036854775807))
+            d += 1
+            ahead = d < D
+            nxt = tl.max(score) + tl.load(rlogp_ptr + d * K, mask=ahead, other=neg_inf)
+            go = ahead & (_key(nxt, d * B, IB2) > floor)
 
-        tl.debug_barrier()
-        f = tl.arange(0, FP)
-        live = f < D * B
-        best = _best(tl.where(live, _key(tl.load(lscore_ptr + f, mask=live, other=neg_inf), f, IB2), -1), FP, BP, TOPK)
         pos = _position(best, IB2)
-        sel = r < B
-        tl.store(node_of_ptr + pos, (r + 1).to(tl.int32), mask=sel)
+        tl.store(node_of_ptr + pos, (r + 1).to(tl.int32), mask=top)
         tl.debug_barrier()
         depth = pos // B
-        ok = sel & (tl.load(lscore_ptr + pos, mask=sel, other=neg_inf) > neg_inf)
+        ok = top & (_value(best, IB2) > neg_inf)
         up = ok & (depth > 0)
         parent_rank = tl.load(lparent_ptr + pos, mask=up, other=0)
         parent = tl.load(node_of_ptr + (depth - 1) * B + parent_rank, mask=up, other=0).to(tl.int64)
         parent = tl.where(ok, parent, -1)
-        token = tl.where(ok, tl.load(ltoken_ptr + pos, mask=ok, other=0), 0)
-        tl.store(tokens_ptr + 1 + r, token, mask=sel)
-        tl.store(parents_ptr + 1 + r, parent, mask=sel)
-        tl.store(depths_ptr + 1 + r, tl.where(ok, depth + 1, 0), mask=sel)
-        tl.store(valid_ptr + 1 + r, ok.to(tl.uint8), mask=sel)
+        token = tl.load(rtok_ptr + depth * K + tl.load(lrank_ptr + pos, mask=ok, other=0), mask=ok, other=0)
+        tl.store(tokens_ptr + 1 + r, token, mask=top)
+        tl.store(parents_ptr + 1 + r, parent, mask=top)
+        tl.store(depths_ptr + 1 + r, tl.where(ok, depth + 1, 0), mask=top)
+        tl.store(valid_ptr + 1 + r, ok.to(tl.uint8), mask=top)
         zero = r == 0
         tl.store(tokens_ptr + r, tl.load(root_ptr + r * 0, mask=zero, other=0), mask=zero)
         tl.store(parents_ptr + r, tl.full([BP], -1, tl.int64), mask=zero)
