@@ -108,9 +108,9 @@ def stage_times(engine: Engine, budget) -> dict:
     kv_len = engine._front_kv_len(budget, engine._host_n + engine.buffers[budget].keep)
     out = {"draft_ms": 0.0, "build_ms": 0.0}
     if budget != AR:
-        out["draft_ms"] = time_graph(engine, lambda: engine._draft_logprobs(engine.root, engine.n, kv_len))
-        logp = engine._draft_logprobs(engine.root, engine.n, kv_len)
-        out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logp, engine.root))
+        out["draft_ms"] = time_graph(engine, lambda: engine._draft_logits(engine.root, engine.n, kv_len))
+        logits = engine._draft_logits(engine.root, engine.n, kv_len)  # the build's log-softmax counts as build
+        out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logits, engine.root))
     out["verify_ms"] = time_graph(engine, lambda: engine._verify(budget, kv_len))
     out["walk_commit_ms"] = time_graph(engine, lambda: engine._back(budget))
     return out

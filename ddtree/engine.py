@@ -42,12 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, SamplingParams, TreeBudget
-from ddtree.kernels.tree_attention import key_range
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.target import TargetModel
 from ddtree.sampling import choose_tokens
-from ddtree.tree import Tree, Walk, build_chain, build_tree, context_tree_mask, single_node, walk
+from ddtree.tree import Tree, Walk, build_chain, build_tree, single_node, walk
 
 log = logging.getLogger("ddtree.engine")
 
@@ -86,6 +85,7 @@ class RoundBuffers:
         self.visible = torch.zeros(size, size, dtype=torch.bool, device=device)
         self.features = torch.zeros(size, max(feature_dim, 1), dtype=dtype, device=device)
         self.choices = torch.zeros(size, dtype=torch.long, device=device)
+        self.offsets = torch.arange(size, device=device)  # node i's slot is n + i
         self.summary = torch.zeros(keep + 2, dtype=torch.long, device=device)
         # Two host copies of the summary, so that round r + 1's copy can be in flight while round
         # r's is read; pinned on CUDA (an asynchronous copy needs page-locked memory).
@@ -128,13 +128,6 @@ def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAG
     return graph, out
 
 
-def verify_mask(n: torch.Tensor, visible: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verify forward's mask [N, kv_len] bool (`context_tree_mask`) and its key ranges [N, 2]
-    (`tree_attention.key_range`), made together so that compiled they are one or two kernels."""
-    mask = context_tree_mask(n, visible, kv_len)
-    return mask, key_range(mask)
-
-
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
                  use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None,
@@ -157,10 +150,8 @@ class Engine:
             target.use_compiled()
             if drafter is not None:
                 drafter.use_compiled()
-        # The round's glue, ~10-20 small operators each eagerly, a few kernels compiled: the verify
-        # mask [N, kv_len] and its key ranges, and the walk (one variant per budget).
-        self.verify_mask = torch.compile(verify_mask, dynamic=True, fullgraph=True) if compiled else verify_mask
-        # The acceptance rule; tests replace it to show that a wrong rule breaks losslessness.
+        # The walk, ~15 small operators eagerly, a few kernels compiled (one variant per budget).
+        # It is the acceptance rule; tests replace it to show that a wrong rule breaks losslessness.
         self.walk_fn: Callable[[Tree, torch.Tensor], Walk] = \
             torch.compile(walk, dynamic=False, fullgraph=True) if compiled else walk
         # Graphs bake in the KV length: round it up to a bucket so one graph serves many rounds.
@@ -202,8 +193,8 @@ class Engine:
 
     # -- the two halves of a round -------------------------------------------------------------
 
-    def _draft_logprobs(self, root: torch.Tensor, n: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> log-probs [b-1, V].
+    def _draft_logits(self, root: torch.Tensor, n: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> logits [b-1, V] (float32).
         kv_len >= n + b: the (bucketed) number of drafter cache slots read."""
         scale = self.drafter.config.input_embedding_scale
         noise = self.draft_noise  # rows 1.. hold the mask token's embedding since __init__
@@ -211,17 +202,20 @@ class Engine:
         if scale != 1.0:
             noise[:1].mul_(scale)
         hidden = self.drafter(noise, self.drafter.block_metas(n, self.block_size, kv_len), self.draft_cache)
-        return F.log_softmax(self.drafter.logits(hidden[1:], self.target.lm_head), dim=-1)
+        return self.drafter.logits(hidden[1:], self.target.lm_head)
 
-    def _build(self, budget: TreeBudget, logp: torch.Tensor, root: torch.Tensor) -> None:
-        """The draft tree from log-probs [b - 1, V] into the budget's buffers (not for "ar")."""
+    def _build(self, budget: TreeBudget, logits: torch.Tensor, root: torch.Tensor) -> None:
+        """The draft tree from the drafter's logits [b - 1, V] into the budget's buffers (not for "ar")."""
         bufs = self.buffers[budget]
         plan = self.tree_plans.get(budget)
         if budget == CHAIN:
-            # The chain's shape never changes (stored in prepare): only its tokens are written.
+            # The chain's shape never changes (stored in prepare): only its tokens are written, each
+            # depth's argmax (of the logits: the log-softmax would not change it, and costs a launch).
             bufs.tokens[:1].copy_(root.reshape(1))
-            bufs.tokens[1:].copy_(torch.argmax(logp, dim=-1))
-        elif plan is not None:
+            bufs.tokens[1:].copy_(torch.argmax(logits, dim=-1))
+            return
+        logp = F.log_softmax(logits, dim=-1)
+        if plan is not None:
             plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
         else:
             bufs.store(build_tree(logp, root, int(budget)))
@@ -231,8 +225,8 @@ class Engine:
         drafter's features of every node into the buffers."""
         bufs = self.buffers[budget]
         tree, n = bufs.tree, self.n
-        mask, ranges = self.verify_mask(n, tree.visible, kv_len)
-        meta = AttentionMeta(n + torch.arange(tree.size, device=self.device), kv_len, mask, ranges=ranges)
+        # Every node sees the context [0, n) and its ancestors among the tree's slots n .. n + N - 1.
+        meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible)
         taps = self.feature_layers if budget != AR else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:
@@ -245,7 +239,7 @@ class Engine:
         if budget == AR:
             bufs.tokens.copy_(self.root.reshape(1))  # the one node's shape is stored in prepare
         else:
-            self._build(budget, self._draft_logprobs(self.root, self.n, kv_len), self.root)
+            self._build(budget, self._draft_logits(self.root, self.n, kv_len), self.root)
         return self._verify(budget, kv_len)
 
     def _back(self, budget: TreeBudget) -> None:
@@ -261,7 +255,7 @@ class Engine:
         result = self.walk_fn(tree, bufs.choices)
         keep = result.order[: bufs.keep]
         self.cache.compact(self.n, keep)
-        positions = self.n + torch.arange(bufs.keep, device=self.device)
+        positions = self.n + bufs.offsets[: bufs.keep]
         self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
         bufs.summary.copy_(torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]))
         self.n.add_(result.length)

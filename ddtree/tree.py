@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.kernels.tree_attention import prefix_block_mask
+
 
 @dataclass
 class Tree:
@@ -146,13 +148,9 @@ def single_node(root_token: torch.Tensor) -> Tree:
 def context_tree_mask(n: torch.Tensor, visible: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Visibility of the verify forward: [N, kv_len] bool. Every node sees the committed context
     (columns < n) and, among the tree's columns n .. n + N - 1, its ancestors and itself; columns
-    past the tree are padding. n: [] long on the device, so the shape depends on kv_len only."""
-    size = visible.shape[0]
-    cols = torch.arange(kv_len, device=visible.device)
-    rel = cols - n
-    in_tree = (rel >= 0) & (rel < size)
-    tree_part = visible[:, rel.clamp(0, size - 1)] & in_tree[None, :]
-    return (cols < n)[None, :] | tree_part
+    past the tree are padding. n: [] long on the device, so the shape depends on kv_len only.
+    (The engine hands the kernel n and visible as they are: `AttentionMeta`'s prefix form.)"""
+    return prefix_block_mask(n, visible, kv_len)
 
 
 @dataclass

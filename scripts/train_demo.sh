@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Train ddtree's demo pair on one GPU in about 7.5 minutes: tokenizer + target, then the DFlash drafter,
+# Train ddtree's demo pair on one GPU in about 9 minutes: tokenizer + target, then the DFlash drafter,
 # then the acceptance measurement on held-out standard-library prompts and the two model cards.
 #
-#   scripts/train_demo.sh                        # full size on CUDA (about 7.5 minutes on one H200)
+#   scripts/train_demo.sh                        # full size on CUDA (about 9 minutes on one H200)
 #   DDTREE_DEMO_SMOKE=1 scripts/train_demo.sh    # tiny sizes, a few steps, on CPU: the same pipeline end to end
 #
 # Writes models/demo-target, models/demo-drafter (each with README.md) and
@@ -44,11 +44,11 @@ else
   TARGET_ARGS=(--vocab-size 8192 --hidden-size 384 --layers 6 --heads 6 --kv-heads 2 --head-dim 64
                --intermediate-size 1024 --seq-len 512 --batch-size 32 --epochs 6 --warmup 50 --lr 2e-3
                --eval-every 250 --save-every 1000 --eval-batches 16 --compile --time-limit 120)
-  # 3.4 M parameters; ~27 steps/s of 64 sequences x 32 blocks x 16 tokens on an H200, after ~30 s of
-  # greedy generation for the self-distillation data (~5.5 min in all).
-  DRAFT_ARGS=(--layers 2 --block-size 16 --prompt-len 64 --gen-len 192 --sequences 24576
-              --held-out-sequences 128 --gen-batch-size 8192 --anchors 32 --batch-size 64 --steps 7000
-              --warmup 200 --lr 1e-3 --eval-every 1000 --save-every 2000 --time-limit 380)
+  # 3.4 M parameters; ~30 steps/s of 64 sequences x 32 blocks x 16 tokens on an H200, after ~1 min of
+  # greedy generation for the self-distillation data (~6.5 min in all).
+  DRAFT_ARGS=(--layers 2 --block-size 16 --prompt-len 64 --gen-len 192 --sequences 49152
+              --held-out-sequences 128 --gen-batch-size 8192 --anchors 32 --batch-size 64 --steps 9000
+              --warmup 200 --lr 1e-3 --eval-every 1500 --save-every 3000 --time-limit 450)
   EVAL_ARGS=(--prompts 32 --prompt-tokens 128 --max-tokens 128 --sample-tokens 96)
 fi
 

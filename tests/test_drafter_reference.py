@@ -149,15 +149,15 @@ def test_engine_drafts_equal_reference_during_generation(pair: Pair, monkeypatch
     """Every draft the engine makes while generating (budget 'chain' and 16) equals the reference
     drafter run from scratch on the committed sequence: the drafter's context commit is right."""
     llm = LLM(pair.target_dir, pair.draft_dir, device="cpu", dtype="float32", max_model_len=128)
-    real = Engine._draft_logprobs
+    real = Engine._draft_logits
     seen: list[tuple[int, int, torch.Tensor]] = []
 
     def recording(self, root, n, *rest):
-        logp = real(self, root, n, *rest)
-        seen.append((int(root), int(n), logp.clone()))
-        return logp
+        logits = real(self, root, n, *rest)
+        seen.append((int(root), int(n), torch.log_softmax(logits, dim=-1)))
+        return logits
 
-    monkeypatch.setattr(Engine, "_draft_logprobs", recording)
+    monkeypatch.setattr(Engine, "_draft_logits", recording)
     prompt = [5, 9, 2, 33, 7, 41, 8]
     for budget in ("chain", 16):
         seen.clear()
@@ -194,6 +194,6 @@ def test_engine_block_embedding_with_an_input_scale(tmp_path, monkeypatch):
     monkeypatch.setattr(type(engine.drafter), "forward", recording)
     mask = engine.drafter.config.mask_token_id
     for root in (3, 17, mask):
-        engine._draft_logprobs(torch.tensor(root), torch.tensor(0), 16)
+        engine._draft_logits(torch.tensor(root), torch.tensor(0), 16)
         block = torch.tensor([root] + [mask] * 5)
         assert torch.equal(seen[-1], engine.target.embed_tokens(block) * 2.5)

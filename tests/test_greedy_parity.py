@@ -128,18 +128,19 @@ def oracle_logprobs(seq: list[int], n: int, depths: int, vocab: int) -> torch.Te
 
 def install_oracle(monkeypatch, vocab: int, state: dict) -> None:
     """Replace the drafter by `oracle_logprobs` on state["seq"]; the real drafter still runs each
-    round (so its context is maintained as usual) and its drafts are kept in state["drafts"]."""
-    real_draft = Engine._draft_logprobs
+    round (so its context is maintained as usual) and its drafts' log-probs are kept in state["drafts"]."""
+    real_draft = Engine._draft_logits
 
     def oracle(self, root, n, *rest):
         drafted = real_draft(self, root, n, *rest)
         n = int(n)
         seq = state["seq"]
         assert int(root) == seq[n], f"root of the round at n={n} is not the committed sequence's next token"
-        state.setdefault("drafts", []).append((n, drafted.clone()))
+        state.setdefault("drafts", []).append((n, torch.log_softmax(drafted, dim=-1)))
+        # log-probs as the drafter's logits: the build's log-softmax leaves them as they are
         return oracle_logprobs(seq, n, self.block_size - 1, vocab).to(drafted.device)
 
-    monkeypatch.setattr(Engine, "_draft_logprobs", oracle)
+    monkeypatch.setattr(Engine, "_draft_logits", oracle)
 
 
 @pytest.mark.parametrize("model, prompt_count", [("qwen3", 20), ("llama", 4)])

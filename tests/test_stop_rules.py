@@ -56,7 +56,7 @@ def drafter(request, full, monkeypatch):
                 logp[d - 1, seq[n + d] if n + d < len(seq) else 0] = 0.0
             return logp
 
-        monkeypatch.setattr(Engine, "_draft_logprobs", perfect)
+        monkeypatch.setattr(Engine, "_draft_logits", perfect)
     return request.param
 
 

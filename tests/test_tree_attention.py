@@ -1,6 +1,6 @@
 """`kernels.tree_attention.masked_attention` equals PyTorch's attention with the same mask: tree,
 causal-block and padding masks, GQA groups, with and without the key split (and splits that see
-no key at all). On the CPU in Triton's interpreter (small shapes); on a GPU also at Qwen3-8B's
+no key at all); the prefix form (prefix length + block mask) equals the dense mask it stands for. On the CPU in Triton's interpreter (small shapes); on a GPU also at Qwen3-8B's
 head layout in bf16."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
-from ddtree.kernels.tree_attention import AttentionConfig, key_range, masked_attention, plan  # noqa: E402
+from ddtree.kernels.tree_attention import (  # noqa: E402
+    AttentionConfig, key_range, masked_attention, plan, prefix_block_mask)
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -67,6 +68,24 @@ def test_equals_reference_small(n, hq, hkv, d, context, kv_len, splits):
     got = masked_attention(q, k, v, mask, d**-0.5, splits=splits)
     assert got.shape == (n, hq * d) and got.dtype == q.dtype
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,context,kv_len", SMALL)
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("block", ["tree", "all"])
+def test_prefix_form_equals_dense_mask(n, hq, hkv, d, context, kv_len, splits, block):
+    """prefix_len + block mask (the engine's verify: a tree; the drafter's block: all True) gives
+    exactly the output of the dense mask it stands for, and both equal the reference."""
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + kv_len + 1, strided_cache=n % 2 == 0)
+    blk = tree_mask(n, 0, n, seed=n + 3) if block == "tree" else torch.ones(n, n, dtype=torch.bool)
+    blk = blk.to(DEVICE)
+    prefix = torch.tensor(context, device=DEVICE)
+    dense = prefix_block_mask(prefix, blk, kv_len)
+    assert dense[:, :context].all() and not dense[:, context + n:].any()
+    assert torch.equal(dense[:, context:context + n], blk)
+    got = masked_attention(q, k, v, blk, d**-0.5, splits=splits, prefix_len=prefix)
+    assert torch.equal(got, masked_attention(q, k, v, dense, d**-0.5, splits=splits))
+    torch.testing.assert_close(got.double(), reference(q, k, v, dense, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fold", [True, False])
@@ -128,10 +147,14 @@ def test_qwen3_heads_bf16(n, fold):
     kv_len = context + n + 30
     q, k, v = inputs(n, 32, 8, 128, kv_len, torch.bfloat16, seed=n, strided_cache=True)
     mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    prefix = torch.tensor(context, device=DEVICE)
     want = reference(q, k, v, mask, 128**-0.5)
+    config = AttentionConfig(fold_combine=fold)
     for _ in range(3):  # many programs race to the arrival counters: every repeat must combine right
-        got = masked_attention(q, k, v, mask, 128**-0.5, config=AttentionConfig(fold_combine=fold))
+        got = masked_attention(q, k, v, mask, 128**-0.5, config=config)
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+        block = masked_attention(q, k, v, mask[:, context:context + n], 128**-0.5, config=config, prefix_len=prefix)
+        torch.testing.assert_close(block.double(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

@@ -10,8 +10,12 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
 - the keys are split across programs (flash-decoding) until the GPU is full; the last split of
   each row block to finish (an arrival counter) combines the splits' partial softmax sums, so a
   split costs no second launch (when the partials are few; else a combine kernel does it);
-- the mask is the engine's boolean [N, kv_len] (context, tree block, padding), read as bytes,
-  and each program skips the key blocks none of its rows sees (`key_range`).
+- the mask is either a boolean [N, kv_len] (read as bytes; each program skips the key blocks
+  none of its rows sees, `key_range`), or, as the engine's verify and drafter block pass it, a
+  prefix length n (a device scalar: keys [0, n) are seen by every row) and a block mask [N, M]
+  for keys [n, n + M): the tree's ancestor-only visibility, or the drafter block's all-True.
+  Then no [N, kv_len] mask or key range is made per forward (two to four fewer launches a round)
+  and only the M block columns are read from memory.
 
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
 combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
@@ -108,19 +112,38 @@ def key_range(mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, last], dim=1).to(torch.int32)
 
 
+def prefix_block_mask(prefix_len: torch.Tensor, block: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The dense form of (prefix_len, block): [N, kv_len] bool, True at keys < prefix_len and, among
+    keys prefix_len .. prefix_len + M - 1, where block [N, M] is True; keys past them are padding.
+    prefix_len: [] long (on the device, so the shape depends on kv_len only)."""
+    size = block.shape[1]
+    cols = torch.arange(kv_len, device=block.device)
+    rel = cols - prefix_len
+    in_block = (rel >= 0) & (rel < size)
+    return (cols < prefix_len)[None, :] | (block[:, rel.clamp(0, size - 1)] & in_block[None, :])
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                      ranges: torch.Tensor | None = None, splits: int | None = None,
-                     config: AttentionConfig = DEFAULT) -> torch.Tensor:
-    """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one); mask [N, T] bool (True:
-    query i sees key j; every row sees at least one key); ranges: `key_range(mask)` when already
-    computed -> out [N, Hq * D] in q's dtype. `splits` overrides the key split (tests), `config`
-    the tiling (benchmarks/attention_configs.py)."""
+                     config: AttentionConfig = DEFAULT, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one) -> out [N, Hq * D] in q's dtype.
+
+    Without prefix_len: mask [N, T] bool (True: query i sees key j); ranges: `key_range(mask)` when
+    already computed. With prefix_len ([] long on the device, prefix_len + M <= T): mask is a block
+    [N, M] bool and query i sees keys < prefix_len and keys prefix_len + j where mask[i, j]
+    (`prefix_block_mask`); ranges are not used. Every row must see at least one key. `splits`
+    overrides the key split (tests), `config` the tiling (benchmarks/attention_configs.py)."""
     n, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
     rows = n * group
     q = q if q.stride(-1) == 1 else q.contiguous()
-    ranges = key_range(mask) if ranges is None else ranges
+    prefix = prefix_len is not None
+    if prefix:
+        ranges = prefix_len.reshape(1)  # the kernel reads the prefix length where the ranges would be
+    elif ranges is None:
+        ranges = key_range(mask)
+    block_cols = mask.shape[1] if prefix else 0
     mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     block_n = config.block_n
@@ -140,10 +163,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     splits_p = triton.next_power_of_2(splits)
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
     _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, arrivals, rows, t, keys_per_split, splits,
-                     scale * 1.4426950408889634,
+                     scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1),
-                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold,
+                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold, PREFIX=prefix,
                      SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1, PRECISION=precision,
                      LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1 and not fold:
@@ -158,15 +181,24 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 if triton is not None:
 
     @triton.jit
-    def _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
-              sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2, prefix_len,
+              block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+              PREFIX: tl.constexpr):
         """Keys [j, j + BLOCK_N) into the running max m_i, denominator l_i and sum acc (online softmax)."""
         cols = j + tl.arange(0, BLOCK_N)
         inside = cols < end
         k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :], mask=inside[:, None], other=0.0)
-        seen = tl.load(mask_ptr + tok[:, None] * sm_n + cols[None, :], mask=live[:, None] & inside[None, :], other=0)
+        if PREFIX:  # keys < prefix_len: seen by all; then the block mask's M columns
+            rel = cols - prefix_len
+            in_block = (rel >= 0) & (rel < block_cols) & inside
+            seen = tl.load(mask_ptr + tok[:, None] * sm_n + rel[None, :], mask=live[:, None] & in_block[None, :],
+                           other=0)
+            seen = (seen != 0) | (cols < prefix_len)[None, :]
+        else:
+            seen = tl.load(mask_ptr + tok[:, None] * sm_n + cols[None, :], mask=live[:, None] & inside[None, :],
+                           other=0) != 0
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        logits = tl.where(seen != 0, logits, float("-inf"))
+        logits = tl.where(seen, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
         p = tl.exp2(logits - base[:, None])
@@ -178,14 +210,15 @@ if triton is not None:
 
     @triton.jit
     def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr, rows, kv_len,
-                   keys_per_split, splits, scale_log2, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
+                   keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, FOLD: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
-                   PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                   SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, SPLITS_P: tl.constexpr,
+                   UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
-        (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them."""
+        (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them.
+        PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols]."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -197,8 +230,14 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        first = tl.min(tl.load(range_ptr + tok * 2, mask=live, other=kv_len), 0)
-        last = tl.max(tl.load(range_ptr + tok * 2 + 1, mask=live, other=0), 0)
+        if PREFIX:
+            prefix_len = tl.load(range_ptr).to(tl.int32)
+            first = 0
+            last = prefix_len + block_cols
+        else:
+            prefix_len = 0
+            first = tl.min(tl.load(range_ptr + tok * 2, mask=live, other=kv_len), 0)
+            last = tl.max(tl.load(range_ptr + tok * 2 + 1, mask=live, other=0), 0)
         # key blocks stay aligned to BLOCK_N, so skipping never changes how the sums are grouped
         start = tl.maximum(s * keys_per_split, (first // BLOCK_N) * BLOCK_N)
         end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
@@ -206,12 +245,12 @@ if triton is not None:
             j = start
             while j < end:
                 m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
-                                      sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION)
+                                      prefix_len, block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION, PREFIX)
                 j += BLOCK_N
         else:
             for j in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
-                                      sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION)
+                                      prefix_len, block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION, PREFIX)
         if SPLIT:
             at = (s * tl.num_programs(1) + h) * rows + r
             tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])

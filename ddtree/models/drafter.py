@@ -84,6 +84,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
         self.ops: LayerOps = EAGER
         self.context_kv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None  # fuse_projections
+        self._block_visible: dict[tuple, torch.Tensor] = {}  # (block, device) -> all-True [block, block]
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -148,10 +149,16 @@ class DFlashDrafter(nn.Module):
         context_len: [] long (on the device); kv_len >= context_len + block (columns past the block are
         padding). Full layers see the context and the whole block; sliding layers are causal and windowed.
         """
-        positions, full, full_ranges, sliding, sliding_ranges = self.ops.block_masks(
-            context_len, block, kv_len, self.config.sliding_window)
-        return {"full": AttentionMeta(positions, kv_len, full, ranges=full_ranges),
-                "sliding": AttentionMeta(positions, kv_len, sliding, ranges=sliding_ranges)}
+        cfg = self.config
+        positions, sliding, sliding_ranges = self.ops.block_masks(
+            context_len, block, kv_len, cfg.sliding_window, "sliding_attention" in cfg.layer_types)
+        key = (block, context_len.device)
+        if key not in self._block_visible:  # made on the first (eager) call, before any graph capture
+            self._block_visible[key] = torch.ones(block, block, dtype=torch.bool, device=context_len.device)
+        metas = {"full": AttentionMeta(positions, kv_len, prefix_len=context_len, block_mask=self._block_visible[key])}
+        if sliding is not None:
+            metas["sliding"] = AttentionMeta(positions, kv_len, sliding, ranges=sliding_ranges)
+        return metas
 
     def forward(self, noise_embedding: torch.Tensor, metas: dict[str, AttentionMeta], cache: KVCache) -> torch.Tensor:
         """noise_embedding [b, H] at the positions `metas` give (its write slots) -> hidden [b, H].

@@ -106,18 +106,19 @@ def mask_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tenso
     return bias.repeat(group, 1)
 
 
-def block_masks(context_len: torch.Tensor, block: int, kv_len: int, window: int | None):
+def block_masks(context_len: torch.Tensor, block: int, kv_len: int, window: int | None, sliding: bool):
     """A drafter block at positions context_len .. context_len + block - 1 (context_len [] long)
-    -> (positions [b], full [b, kv_len], its key ranges [b, 2], sliding [b, kv_len], its key
-    ranges): full layers see the context and the whole block, sliding ones are causal (and
-    windowed); columns past the block are padding."""
+    -> (positions [b], and with `sliding` the sliding layers' mask [b, kv_len] and its key ranges
+    [b, 2], else None, None): sliding layers are causal (and windowed), columns past the block are
+    padding. (Full layers see the context and the whole block: `AttentionMeta`'s prefix form.)"""
     positions = context_len + torch.arange(block, device=context_len.device)
+    if not sliding:
+        return positions, None, None
     cols = torch.arange(kv_len, device=context_len.device)[None, :]
-    full = (cols < context_len + block).expand(block, kv_len)
-    sliding = cols <= positions[:, None]
+    mask = cols <= positions[:, None]
     if window is not None:
-        sliding = sliding & (positions[:, None] - cols < window)
-    return positions, full, key_range(full), sliding, key_range(sliding)
+        mask = mask & (positions[:, None] - cols < window)
+    return positions, mask, key_range(mask)
 
 
 class LayerOps:

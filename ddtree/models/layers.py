@@ -43,7 +43,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryTable(nn.Module):
-    """Precomputed cos/sin for positions [0, max_positions): `cos[pos]` is [head_dim]."""
+    """Precomputed cos/sin for positions [0, max_positions), side by side in one table
+    [max_positions, 2 * rotary_dim], so that a forward gathers its positions' rows once."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
@@ -52,11 +53,12 @@ class RotaryTable(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rotary_dim = emb.shape[-1]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([emb.cos(), emb.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """positions [N] -> cos, sin [N, rotary_dim] in dtype (views of one gathered [N, 2 * rotary_dim])."""
+        rows = self.cos_sin[positions].to(dtype)
+        return rows[:, : self.rotary_dim], rows[:, self.rotary_dim :]
 
 
 apply_rope = rotate  # x [N, heads, head_dim], cos/sin [N, rotary_dim]
@@ -82,17 +84,31 @@ class AttentionMeta:
 
     `write_slots` [N]: cache slots the N new tokens' keys/values go to.
     `kv_len`: keys [0, kv_len) are read (on CUDA a bucketed length, so that graphs can be reused).
-    `mask` [N, kv_len] bool: True where query i may see key j (the context, then the new tokens'
-    block: causal, ancestor-only for a tree, and False on padding columns); None with `causal`
-    for plain causal attention from an empty cache (prefill).
+    Which keys query i sees, one of:
+    - `prefix_len` and `block_mask`: keys [0, prefix_len) (the committed context), then among keys
+      prefix_len .. prefix_len + M - 1 those where block_mask [N, M] is True (a tree's ancestors,
+      a drafter block's every column); later keys are padding. prefix_len: [] long on the device.
+      `tree_attention` reads this form directly; `mask` is made from it only where needed.
+    - `mask` [N, kv_len] bool: True where query i may see key j (the drafter's sliding layers).
+    - neither, with `causal`: plain causal attention from an empty cache (prefill).
     """
 
     write_slots: torch.Tensor
     kv_len: int
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None = None
     causal: bool = False
     ranges: torch.Tensor | None = None  # `tree_attention.key_range(mask)` when the caller made it with the mask
+    prefix_len: torch.Tensor | None = None
+    block_mask: torch.Tensor | None = None
     _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """`mask`, or [N, kv_len] made once from prefix_len and block_mask (None for causal)."""
+        if self.mask is not None or self.block_mask is None:
+            return self.mask
+        if "mask" not in self._shared:
+            self._shared["mask"] = tree_attention.prefix_block_mask(self.prefix_len, self.block_mask, self.kv_len)
+        return self._shared["mask"]
 
     def bias(self, group: int, dtype: torch.dtype, make=mask_bias) -> torch.Tensor:
         """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping (the
@@ -100,7 +116,7 @@ class AttentionMeta:
         compiled on CUDA) and shared by all layers."""
         key = (group, dtype)
         if key not in self._shared:
-            self._shared[key] = make(self.mask, group, dtype)
+            self._shared[key] = make(self.dense_mask(), group, dtype)
         return self._shared[key]
 
     def key_range(self) -> torch.Tensor:
@@ -108,7 +124,7 @@ class AttentionMeta:
         if self.ranges is not None:
             return self.ranges
         if "key_range" not in self._shared:
-            self._shared["key_range"] = tree_attention.key_range(self.mask)
+            self._shared["key_range"] = tree_attention.key_range(self.dense_mask())
         return self._shared["key_range"]
 
 
@@ -125,11 +141,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     group = hq // hkv
     kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
     vh = v.transpose(0, 1).unsqueeze(0)
-    if meta.mask is None:
+    if meta.mask is None and meta.block_mask is None:
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, N, D]
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=meta.causal, scale=scale, enable_gqa=group > 1)
         return out[0].transpose(0, 1).reshape(n, hq * d)
     if q.is_cuda and tree_attention.supported(q, k):
+        if meta.mask is None:
+            return tree_attention.masked_attention(q, k, v, meta.block_mask, scale, prefix_len=meta.prefix_len)
         return tree_attention.masked_attention(q, k, v, meta.mask, scale, meta.key_range())
     qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
     bias = meta.bias(group, q.dtype, make_bias)[None, None]
