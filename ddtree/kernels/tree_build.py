@@ -211,12 +211,16 @@ if triton is not None:
         ci = tl.load(cand_i_ptr + c, mask=live, other=0)
         cj = tl.load(cand_j_ptr + c, mask=live, other=0)
         d = tl.program_id(0) + 1
-        if D > 1:
-            go = _key(tl.max(score) + tl.load(rlogp_ptr + K), d * B, IB2) > floor
-        else:
-            go = d < 1
+        # Each level's ranked log-probs (per candidate, and its best) are loaded one level ahead,
+        # so that the load's latency overlaps the level before instead of starting each level.
+        ahead = d < D
+        vals = tl.load(rlogp_ptr + d * K + cj, mask=live & ahead, other=neg_inf)
+        go = ahead & (_key(tl.max(score) + tl.load(rlogp_ptr + d * K, mask=ahead, other=neg_inf), d * B, IB2) > floor)
         while go:
-            v = tl.gather(score, ci, 0) + tl.load(rlogp_ptr + d * K + cj, mask=live, other=neg_inf)
+            v = tl.gather(score, ci, 0) + vals
+            ahead = d + 1 < D
+            vals = tl.load(rlogp_ptr + (d + 1) * K + cj, mask=live & ahead, other=neg_inf)  # the next level's
+            first = tl.load(rlogp_ptr + (d + 1) * K, mask=ahead, other=neg_inf)
             level = _best(tl.where(live, _key(v, ci * K + cj, IB1), -1), CP, BP, TOPK)  # [BP]
             pos = _position(level, IB1)
             tl.store(lparent_ptr + d * B + r, (pos // K).to(tl.int32), mask=top)
@@ -226,9 +230,7 @@ if triton is not None:
             best = tl.where(top, _best(merged, 2 * BP, BP, TOPK), -1)
             floor = tl.min(tl.where(top, best, 9223372036854775807))
             d += 1
-            ahead = d < D
-            nxt = tl.max(score) + tl.load(rlogp_ptr + d * K, mask=ahead, other=neg_inf)
-            go = ahead & (_key(nxt, d * B, IB2) > floor)
+            go = ahead & (_key(tl.max(score) + first, d * B, IB2) > floor)
 
         pos = _position(best, IB2)
         tl.store(node_of_ptr + pos, (r + 1).to(tl.int32), mask=top)
