@@ -76,8 +76,9 @@ class RoundBuffers:
     """Fixed buffers of one budget, shared by its graphs: the tree, the verify features, the
     choices and the summary the host reads."""
 
-    def __init__(self, size: int, keep: int, feature_dim: int, device, dtype):
+    def __init__(self, size: int, keep: int, feature_dim: int, device, dtype, scratch=None):
         self.size, self.keep = size, keep
+        self.scratch = scratch  # a hybrid target's per-node stash for the commit (None for dense targets)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         self.parents = torch.full((size,), -1, dtype=torch.long, device=device)
         self.depths = torch.zeros(size, dtype=torch.long, device=device)
@@ -226,7 +227,10 @@ class Engine:
         bufs = self.buffers[budget]
         tree, n = bufs.tree, self.n
         # Every node sees the context [0, n) and its ancestors among the tree's slots n .. n + N - 1.
+        # Recurrent layers read the tree's shape (for "ar", a one-token sequence step, none).
         meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible)
+        if budget != AR:
+            meta.parents, meta.depths, meta.scratch = tree.parents, tree.depths, bufs.scratch
         taps = self.feature_layers if budget != AR else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:
@@ -254,18 +258,20 @@ class Engine:
             return
         result = self.walk_fn(tree, bufs.choices)
         keep = result.order[: bufs.keep]
-        self.cache.compact(self.n, keep)
+        self.target.commit(self.cache, self.n, keep, result.length, bufs.scratch)
         positions = self.n + bufs.offsets[: bufs.keep]
         self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
         bufs.summary.copy_(torch.cat([result.length.reshape(1), tree.tokens[keep], result.bonus.reshape(1)]))
         self.n.add_(result.length)
         self.root.copy_(result.bonus)
 
-    def _prefill(self, tokens: torch.Tensor, last: torch.Tensor | slice, taps: list[int] | None) -> torch.Tensor:
+    def _prefill(self, tokens: torch.Tensor, last: torch.Tensor | slice, taps: list[int] | None,
+                 length: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [L] at positions 0 .. L - 1 (causal) -> logits [1, V] (float32) of row `last`.
-        Writes the target cache's slots [0, L) and, with `taps`, the drafter's context there."""
+        Writes the target cache's slots [0, L) and, with `taps`, the drafter's context there.
+        length: the prompt's length when tokens past it are padding (recurrent layers stop there)."""
         positions = torch.arange(tokens.shape[0], device=self.device)
-        meta = AttentionMeta(positions, tokens.shape[0], None, causal=True)
+        meta = AttentionMeta(positions, tokens.shape[0], None, causal=True, length=length)
         logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=last)
         if features is not None:
             self.drafter.append_context(features, positions, self.draft_cache)
@@ -274,7 +280,7 @@ class Engine:
     def _padded_prefill(self, length: int) -> torch.Tensor:
         """The prompt in prompt_tokens[:n], padded to `length`: `_prefill` with the drafter's
         context always written, so that one graph serves every budget."""
-        return self._prefill(self.prompt_tokens[:length], (self.n - 1).reshape(1), self.feature_layers)
+        return self._prefill(self.prompt_tokens[:length], (self.n - 1).reshape(1), self.feature_layers, self.n)
 
     # -- graphs --------------------------------------------------------------------------------
 
@@ -327,7 +333,8 @@ class Engine:
             return
         size = tree_size(budget, self.block_size)
         keep = min(size, self.block_size or 1)
-        self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype)
+        scratch = self.target.new_scratch(size, self.device, self.dtype) if budget != AR else None
+        self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype, scratch)
         zero = torch.zeros((), dtype=torch.long, device=self.device)
         if budget == AR:
             self.buffers[budget].store(single_node(zero))

@@ -78,9 +78,12 @@ def make_drafter(
     sliding_window: int | None = None,
     seed: int = 1,
     scale: float = 0.08,
+    output_scale: float = 1.0,
 ) -> dict:
-    """Save a random z-lab DFlash drafter for the target at `target_path`; returns its config dict."""
+    """Save a random z-lab DFlash drafter for the target at `target_path`; returns its config dict.
+    `output_scale` scales the final norm's weight: near 0, every draft distribution is near uniform."""
     tcfg = json.loads((target_path / "config.json").read_text())
+    tcfg = tcfg.get("text_config") or tcfg  # a multimodal hybrid checkpoint nests its text model
     torch.manual_seed(seed)
     hidden = tcfg["hidden_size"]
     heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
@@ -132,7 +135,7 @@ def make_drafter(
         w[p + "post_attention_layernorm.weight"] = 1 + rand(hidden)
     w["fc.weight"] = rand(hidden, hidden * len(taps))
     w["hidden_norm.weight"] = 1 + rand(hidden)
-    w["norm.weight"] = 1 + rand(hidden)
+    w["norm.weight"] = output_scale * (1 + rand(hidden))
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -189,3 +192,81 @@ def reference_draft_logprobs(hf_target, ref_drafter, seq: list[int], n: int) -> 
         logits = ref_drafter.compute_logits(hidden[1:], hf_target.lm_head)
     return torch.log_softmax(logits.float(), dim=-1)
 
+
+
+def make_hybrid_target(
+    path: Path,
+    *,
+    layout: str = "causal",
+    vocab: int = 96,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    linear_key_heads: int = 2,
+    linear_value_heads: int = 4,
+    linear_head_dim: int = 16,
+    intermediate: int = 128,
+    max_positions: int = 2048,
+    shard: bool = False,
+    peak: float = 8.0,
+    seed: int = 0,
+    eos: int | None = 1,
+    extra_tensors: bool = True,
+):
+    """Save a random Qwen3.5-style hybrid target (3 Gated DeltaNet layers per full-attention layer)
+    to `path`, as `Qwen3_5ForCausalLM` (layout "causal": weights `model.*`) or as the multimodal
+    `Qwen3_5ForConditionalGeneration` (layout "conditional": `model.language_model.*`, a tiny
+    vision tower, and with `extra_tensors` a stand-in `mtp.*` head, both of which ddtree ignores).
+    Returns the float32 `Qwen3_5ForCausalLM` (the oracle)."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    text = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+        max_position_embeddings=max_positions, linear_num_key_heads=linear_key_heads,
+        linear_num_value_heads=linear_value_heads, linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim, eos_token_id=eos, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    model = Qwen3_5ForCausalLM(text)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                continue  # transformers' init: log of uniform(0.01, 16)
+            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+                p.normal_(1.0, 0.1)  # the gated norm is not zero-centred
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.1)  # zero-centred RMSNorms: x * (1 + w)
+            elif "conv1d" in name:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.08)
+        model.lm_head.weight.mul_(peak)
+    model.eval()
+    shard_size = "50KB" if shard else "5GB"
+    if layout == "causal":
+        model.save_pretrained(path, max_shard_size=shard_size, safe_serialization=True)
+        return model
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
+    full.model.language_model.load_state_dict(model.model.state_dict())
+    full.lm_head.load_state_dict(model.lm_head.state_dict())
+    full.save_pretrained(path, max_shard_size=shard_size, safe_serialization=True)
+    if extra_tensors:
+        mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.ones(hidden)}
+        save_file(mtp, str(path / "mtp.safetensors"))
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            data = json.loads(index.read_text())
+            data["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+            index.write_text(json.dumps(data))
+        else:
+            tensors = load_file(str(path / "model.safetensors"))
+            tensors.update(mtp)
+            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+            (path / "mtp.safetensors").unlink()
+    return model

@@ -13,6 +13,13 @@ TARGET_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
 }
 TARGET_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "mistral": "llama"}
+# Hybrid targets (Gated DeltaNet + gated attention): the multimodal checkpoint's text model
+# (`text_config`, weights `model.language_model.*`) or the text-only causal LM (`model.*`).
+HYBRID_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5"}
+HYBRID_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+# Refused with a one-line error: mixture-of-experts hybrids need expert layers ddtree does not have.
+UNSUPPORTED_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_moe"}
+SUPPORTED_TARGETS = "Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,7 +68,7 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
     @classmethod
-    def from_hf(cls, cfg: dict, what: str) -> "RopeConfig":
+    def from_hf(cls, cfg: dict, what: str, default_partial: float = 1.0) -> "RopeConfig":
         # transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`.
         params = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or {}
@@ -79,7 +86,8 @@ class RopeConfig:
             high_freq_factor=_number(params.get("high_freq_factor", 4.0), float, "high_freq_factor", what),
             original_max_position_embeddings=_number(params.get("original_max_position_embeddings", 8192), int,
                                                      "original_max_position_embeddings", what),
-            partial_rotary_factor=_number(cfg.get("partial_rotary_factor", 1.0), float, "partial_rotary_factor", what),
+            partial_rotary_factor=_number(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)),
+                                          float, "partial_rotary_factor", what),
         )
 
 
@@ -102,7 +110,7 @@ class TransformerConfig:
     qk_norm: bool = False
 
     @staticmethod
-    def common_fields(cfg: dict, what: str) -> dict:
+    def common_fields(cfg: dict, what: str, default_partial_rotary: float = 1.0) -> dict:
         hidden = _require(cfg, "hidden_size", int, what)
         layers = _require(cfg, "num_hidden_layers", int, what)
         heads = _require(cfg, "num_attention_heads", int, what)
@@ -125,7 +133,7 @@ class TransformerConfig:
             intermediate_size=_require(cfg, "intermediate_size", int, what),
             vocab_size=_require(cfg, "vocab_size", int, what),
             rms_norm_eps=_number(cfg.get("rms_norm_eps", 1e-6), float, "rms_norm_eps", what),
-            rope=RopeConfig.from_hf(cfg, what),
+            rope=RopeConfig.from_hf(cfg, what, default_partial_rotary),
             max_position_embeddings=_number(cfg.get("max_position_embeddings", 4096), int, "max_position_embeddings", what),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -133,11 +141,74 @@ class TransformerConfig:
 
 
 @dataclass
+class GatedDeltaNetConfig:
+    """A hybrid target's linear-attention (Gated DeltaNet) layers: key/query heads, value heads
+    (a multiple of the key heads), their dims and the causal conv's kernel length."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: query, key and value projections side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict, what: str) -> "GatedDeltaNetConfig":
+        out = cls(
+            num_key_heads=_number(cfg.get("linear_num_key_heads", 16), int, "linear_num_key_heads", what),
+            num_value_heads=_number(cfg.get("linear_num_value_heads", 32), int, "linear_num_value_heads", what),
+            key_head_dim=_number(cfg.get("linear_key_head_dim", 128), int, "linear_key_head_dim", what),
+            value_head_dim=_number(cfg.get("linear_value_head_dim", 128), int, "linear_value_head_dim", what),
+            conv_kernel=_number(cfg.get("linear_conv_kernel_dim", 4), int, "linear_conv_kernel_dim", what),
+        )
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"):
+            if getattr(out, name) < 1:
+                raise DDTreeError(f"{what}: config field 'linear_{name}' must be >= 1, got {getattr(out, name)}")
+        if out.conv_kernel < 2:
+            raise DDTreeError(f"{what}: linear_conv_kernel_dim must be >= 2, got {out.conv_kernel}")
+        if out.num_value_heads % out.num_key_heads:
+            raise DDTreeError(f"{what}: linear_num_value_heads {out.num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads {out.num_key_heads}")
+        return out
+
+
+LAYER_KINDS = ("full_attention", "linear_attention")
+
+
+@dataclass
 class TargetConfig(TransformerConfig):
-    architecture: str = "qwen3"  # "qwen3" (q/k norms) or "llama"
+    architecture: str = "qwen3"  # "qwen3" (q/k norms), "llama", or "qwen3_5" (hybrid)
     tie_word_embeddings: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    # Hybrid targets only: each layer's kind ("full_attention" / "linear_attention"), the linear
+    # layers' shape, and whether the checkpoint nests the text model (`model.language_model.*`).
+    layer_types: list[str] = field(default_factory=list)
+    gdn: GatedDeltaNetConfig | None = None
+    nested_text_model: bool = False
+
+    @property
+    def hybrid(self) -> bool:
+        return self.gdn is not None
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the layers that keep a KV cache."""
+        if not self.hybrid:
+            return list(range(self.num_hidden_layers))
+        return [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TargetConfig":
@@ -146,14 +217,25 @@ class TargetConfig(TransformerConfig):
         if not path.is_dir():
             raise DDTreeError(f"{what}: not a directory")
         cfg = read_json(path / "config.json", what)
+        archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
+        model_type = cfg.get("model_type", "")
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+        types = {model_type, (text or {}).get("model_type", "")}
+        if types & UNSUPPORTED_MODEL_TYPES or any("Moe" in a or "Qwen3Next" in a for a in archs):
+            raise DDTreeError(f"{what}: architecture {archs or model_type} (mixture of experts) is not supported "
+                              f"(supported: {SUPPORTED_TARGETS})")
+        hybrid = next((HYBRID_ARCHITECTURES[a] for a in archs if a in HYBRID_ARCHITECTURES), None)
+        hybrid = hybrid or HYBRID_MODEL_TYPES.get(model_type)
+        if hybrid is not None:
+            return cls._hybrid(path, cfg, text, what)
         arch = None
-        for name in cfg.get("architectures") or []:
+        for name in archs:
             arch = arch or TARGET_ARCHITECTURES.get(name)
-        arch = arch or TARGET_MODEL_TYPES.get(cfg.get("model_type", ""))
+        arch = arch or TARGET_MODEL_TYPES.get(model_type)
         if arch is None:
             raise DDTreeError(
-                f"{what}: architecture {cfg.get('architectures') or cfg.get('model_type')} is not supported "
-                f"(supported: {', '.join(TARGET_ARCHITECTURES)})"
+                f"{what}: architecture {cfg.get('architectures') or model_type} is not supported "
+                f"(supported: {SUPPORTED_TARGETS})"
             )
         fields = cls.common_fields(cfg, what)
         eos = _eos_ids(path, cfg)
@@ -164,6 +246,38 @@ class TargetConfig(TransformerConfig):
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def _hybrid(cls, path: Path, cfg: dict, text: dict | None, what: str) -> "TargetConfig":
+        """Qwen3.5 / Qwen3.6: the text model's fields (under `text_config` in the multimodal
+        checkpoint); rotary on a quarter of each head unless the config says otherwise."""
+        fields_cfg = text if text is not None else cfg
+        fields = cls.common_fields(fields_cfg, what, default_partial_rotary=0.25)
+        layers = fields["num_hidden_layers"]
+        interval = _number(fields_cfg.get("full_attention_interval", 4), int, "full_attention_interval", what)
+        layer_types = fields_cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % max(interval, 1) == 0 else "linear_attention" for i in range(layers)]
+        if (not isinstance(layer_types, list) or len(layer_types) != layers
+                or any(t not in LAYER_KINDS for t in layer_types)):
+            raise DDTreeError(f"{what}: layer_types must list 'full_attention'/'linear_attention' for each of {layers} layers")
+        act = fields_cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise DDTreeError(f"{what}: hidden_act '{act}' is not supported (supported: silu)")
+        tie = cfg.get("tie_word_embeddings", fields_cfg.get("tie_word_embeddings", False))
+        eos_source = dict(cfg)
+        if eos_source.get("eos_token_id") is None and text is not None:
+            eos_source["eos_token_id"] = text.get("eos_token_id")
+        return cls(
+            **fields,
+            qk_norm=True,
+            architecture="qwen3_5",
+            tie_word_embeddings=bool(tie),
+            eos_token_ids=_eos_ids(path, eos_source),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or fields_cfg.get("dtype"),
+            layer_types=list(layer_types),
+            gdn=GatedDeltaNetConfig.from_hf(fields_cfg, what),
+            nested_text_model=text is not None,
         )
 
 

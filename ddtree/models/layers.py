@@ -91,6 +91,14 @@ class AttentionMeta:
       `tree_attention` reads this form directly; `mask` is made from it only where needed.
     - `mask` [N, kv_len] bool: True where query i may see key j (the drafter's sliding layers).
     - neither, with `causal`: plain causal attention from an empty cache (prefill).
+
+    Recurrent layers (hybrid targets) read three more fields:
+    - `parents` [N] long (a tree's parent index per node, -1 for the root; nodes in topological
+      order) and `depths` [N]: the forward is a tree verify, which reads the recurrent state and
+      writes none, and stashes what the commit of the accepted path needs into `scratch`;
+    - otherwise the N tokens are a sequence that advances the state (from zero when `causal`, a
+      new sequence's prefill), and `length` ([] long or None = N) says how many rows are real:
+      the state is left as after the first `length` tokens (the rest is padding).
     """
 
     write_slots: torch.Tensor
@@ -100,6 +108,10 @@ class AttentionMeta:
     ranges: torch.Tensor | None = None  # `tree_attention.key_range(mask)` when the caller made it with the mask
     prefix_len: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    length: torch.Tensor | None = None
+    scratch: object | None = None  # a hybrid target's per-round stash (`RecurrentScratch`)
     _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
 
     def dense_mask(self) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -11,8 +12,11 @@ from safetensors.torch import load_file
 from ddtree.config import DDTreeError
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.drafter import DFlashDrafter
+from ddtree.models.hybrid import HybridTarget
 from ddtree.models.layers import RotaryTable
 from ddtree.models.target import TargetModel
+
+log = logging.getLogger("ddtree.models")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +86,53 @@ def target_state_dict(raw: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[s
     return out
 
 
+# Tensors of a Qwen3.5 / Qwen3.6 checkpoint that a text engine does not use.
+HYBRID_IGNORED_PREFIXES = ("model.visual.", "mtp.", "visual.")
+
+
+def hybrid_state_dict(raw: dict[str, torch.Tensor], cfg: TargetConfig, what: str) -> dict[str, torch.Tensor]:
+    """Map a Qwen3.5 / Qwen3.6 checkpoint (`model.language_model.*` or `model.*`) to HybridTarget's
+    names: q/k/v fused, gate/up fused, the Gated DeltaNet input projections stacked, the conv
+    weight [C, 1, K] as [C, K]; the vision tower and the multi-token-prediction head dropped."""
+    ignored = [k for k in raw if k.startswith(HYBRID_IGNORED_PREFIXES)]
+    if ignored:
+        log.info("%s: ignoring %d tensors of the vision tower / multi-token-prediction head (text only)", what, len(ignored))
+    prefix = "model.language_model." if cfg.nested_text_model else "model."
+    out: dict[str, torch.Tensor] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for key, tensor in raw.items():
+        if key.startswith(HYBRID_IGNORED_PREFIXES):
+            continue
+        rest[key[len(prefix):] if key.startswith(prefix) else key] = tensor
+    for i, kind in enumerate(cfg.layer_types):
+        layer = f"layers.{i}."
+        _fuse(rest, f"{layer}mlp.", ["gate_proj", "up_proj"], "gate_up_proj", out, "weight")
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if f"{layer}{name}.weight" in rest:
+                out[f"{layer}{name}"] = rest.pop(f"{layer}{name}.weight")
+        if kind == "full_attention":
+            for bias in ("weight", "bias"):
+                _fuse(rest, f"{layer}self_attn.", ["q_proj", "k_proj", "v_proj"], "qkv_proj", out, bias)
+            for name in ("q_norm", "k_norm"):
+                if f"{layer}self_attn.{name}.weight" in rest:
+                    out[f"{layer}self_attn.{name}"] = rest.pop(f"{layer}self_attn.{name}.weight")
+        else:
+            base = f"{layer}linear_attn."
+            _fuse(rest, base, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "in_proj", out, "weight")
+            if f"{base}conv1d.weight" in rest:
+                conv = rest.pop(f"{base}conv1d.weight")
+                out[f"{base}conv_weight"] = conv.reshape(conv.shape[0], conv.shape[-1])
+            if f"{base}norm.weight" in rest:
+                out[f"{base}norm"] = rest.pop(f"{base}norm.weight")
+    if "norm.weight" in rest:
+        out["norm"] = rest.pop("norm.weight")
+    out.update(rest)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in out:
+        if "embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
 def drafter_state_dict(raw: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_hidden_layers):
@@ -91,16 +142,17 @@ def drafter_state_dict(raw: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict
     return out
 
 
-def load_target(path: str | Path, device, dtype: torch.dtype, max_positions: int | None = None) -> TargetModel:
+def load_target(path: str | Path, device, dtype: torch.dtype, max_positions: int | None = None) -> TargetModel | HybridTarget:
     path = Path(path)
     cfg = TargetConfig.from_dir(path)
     what = f"target model {path}"
     raw = read_safetensors(path, what)
     positions = max_positions or cfg.max_position_embeddings
+    model_class = HybridTarget if cfg.hybrid else TargetModel
     with torch.device("meta"):
-        model = TargetModel(cfg, 1)
+        model = model_class(cfg, 1)
     model = model.to_empty(device=device)
-    _assign(model, target_state_dict(raw, cfg), what)
+    _assign(model, hybrid_state_dict(raw, cfg, what) if cfg.hybrid else target_state_dict(raw, cfg), what)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryTable(cfg.rope, cfg.head_dim, positions).to(device)

@@ -77,6 +77,15 @@ class TargetModel(nn.Module):
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
 
+    def new_scratch(self, nodes: int, device, dtype) -> None:
+        """A dense target stashes nothing for its commit (`HybridTarget.new_scratch`)."""
+        return None
+
+    def commit(self, cache: KVCache, start, order: torch.Tensor, length, scratch=None) -> None:
+        """After a round's walk: move the accepted nodes' KV entries into place (`order` [M]: the
+        accepted path first); a dense target has no other state."""
+        cache.compact(start, order)
+
     def forward(
         self,
         tokens: torch.Tensor,
