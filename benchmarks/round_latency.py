@@ -1,6 +1,8 @@
-"""Per-round latency of DDTree at Qwen3-8B shape (random bf16 weights) against the hardware floor.
+"""Per-round latency of DDTree at Qwen3-8B or Qwen3.6-27B shape (random bf16 weights) against the
+hardware floor.
 
-    python benchmarks/round_latency.py [--budgets ar,chain,16,...] [--prompt-len 512] [--rounds 24]
+    python benchmarks/round_latency.py [--shape qwen3-8b|qwen3.6-27b] [--budgets ar,chain,16,...]
+                                       [--prompt-len 512] [--rounds 24]
 
 For each budget: median ms per round (host wall time between the engine's yields, graphs on),
 and the median of each stage replayed alone as its own CUDA graph: draft, build, verify,
@@ -22,14 +24,28 @@ from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.config import AR, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
-from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig, build_target_layer_ids
+from ddtree.models.configs import DrafterConfig, GatedDeltaNetConfig, RopeConfig, TargetConfig, build_target_layer_ids
 from ddtree.models.drafter import DFlashDrafter
+from ddtree.models.hybrid import HybridTarget
 from ddtree.models.target import TargetModel
 from ddtree.models.layers import RotaryTable
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
                 rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960, qk_norm=True)
+
+
+# Qwen3.6-27B's text model: 16 x (3 Gated DeltaNet + 1 gated attention) layers.
+QWEN36_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                  head_dim=256, intermediate_size=17408, vocab_size=248320, rms_norm_eps=1e-6,
+                  rope=RopeConfig(theta=10000000.0, partial_rotary_factor=0.25), max_position_embeddings=262144,
+                  qk_norm=True)
+QWEN36_GDN = GatedDeltaNetConfig(num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=128,
+                                 conv_kernel=4)
+# Its DFlash drafter: 5 Qwen3-shaped layers (4 sliding-window of 2048, then 1 full), block 16,
+# reading target layers 1, 16, 31, 46, 61. Its attention heads (32 q / 8 kv of 128) are assumed.
+QWEN36_DRAFTER = dict(QWEN36_27B, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      rope=RopeConfig(theta=10000000.0))
 
 
 def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -43,17 +59,33 @@ def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
     return module
 
 
-def build_models(device, dtype, draft_layers: int, block: int, max_len: int):
-    tcfg = TargetConfig(**QWEN3_8B, architecture="qwen3")
-    dcfg = DrafterConfig(**{**QWEN3_8B, "num_hidden_layers": draft_layers}, block_size=block,
-                         num_target_layers=36, target_layer_ids=build_target_layer_ids(36, draft_layers),
-                         mask_token_id=151935, layer_types=["full_attention"] * draft_layers)
+def build_models(device, dtype, draft_layers: int, block: int, max_len: int, shape: str = "qwen3-8b"):
+    """Random-weight target and drafter of `shape`, built in `dtype` directly (a 27B model in
+    float32 would not fit beside its bf16 copy)."""
+    if shape == "qwen3.6-27b":
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+        tcfg = TargetConfig(**QWEN36_27B, architecture="qwen3_5", layer_types=layer_types, gdn=QWEN36_GDN)
+        dcfg = DrafterConfig(**QWEN36_DRAFTER, block_size=block, num_target_layers=64,
+                             target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070,
+                             layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)
+        target_class = HybridTarget
+    else:
+        tcfg = TargetConfig(**QWEN3_8B, architecture="qwen3")
+        dcfg = DrafterConfig(**{**QWEN3_8B, "num_hidden_layers": draft_layers}, block_size=block,
+                             num_target_layers=36, target_layer_ids=build_target_layer_ids(36, draft_layers),
+                             mask_token_id=151935, layer_types=["full_attention"] * draft_layers)
+        target_class = TargetModel
     positions = max_len + 4096 + 512
-    with torch.device("meta"):
-        target, drafter = TargetModel(tcfg, 1), DFlashDrafter(dcfg, 1)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            target, drafter = target_class(tcfg, 1), DFlashDrafter(dcfg, 1)
+    finally:
+        torch.set_default_dtype(previous)
     target, drafter = random_init(target, device), random_init(drafter, device)
-    target.rotary = RotaryTable(tcfg.rope, 128, positions).to(device)
-    drafter.rotary = RotaryTable(dcfg.rope, 128, positions).to(device)
+    target.rotary = RotaryTable(tcfg.rope, tcfg.head_dim, positions).to(device)
+    drafter.rotary = RotaryTable(dcfg.rope, dcfg.head_dim, positions).to(device)
     return target.to(dtype).eval().requires_grad_(False), drafter.to(dtype).eval().requires_grad_(False)
 
 
@@ -90,9 +122,10 @@ def matmul_params(module: torch.nn.Module, skip_embedding: bool) -> int:
     return total
 
 
-def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict, bytes_per_param=2) -> float:
+def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict, bytes_per_param=2,
+                  extra_flops: float = 0.0) -> float:
     by_bytes = (params * bytes_per_param + kv_bytes_read) / ceilings["bandwidth_Bps"]
-    by_flops = 2 * params * tokens / ceilings["bf16_flops"]
+    by_flops = (2 * params * tokens + extra_flops) / ceilings["bf16_flops"]
     return max(by_bytes, by_flops)
 
 
@@ -122,19 +155,25 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b"], default="qwen3-8b")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
-    target, drafter = build_models(device, torch.bfloat16, args.draft_layers, 16, 2048)
-    engine = Engine(target, drafter, max_model_len=2048)
+    max_len = max(2048, args.prompt_len + 1024)  # room for the rounds after the prompt
+    target, drafter = build_models(device, torch.bfloat16, args.draft_layers, 16, max_len, args.shape)
+    engine = Engine(target, drafter, max_model_len=max_len)
     prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
 
     tparams = matmul_params(target, skip_embedding=True)
     dparams = matmul_params(drafter, skip_embedding=True) + target.lm_head.weight.numel()
-    kv_token_bytes = 2 * 36 * 8 * 128 * 2
+    tcfg = target.config
+    attn_layers = len(tcfg.attention_layers)
+    kv_token_bytes = 2 * attn_layers * tcfg.num_key_value_heads * tcfg.head_dim * 2
+    # A hybrid's recurrent state is read by every verify and rewritten by every commit (float32).
+    state_bytes = 2 * target.new_cache(1, "meta", torch.bfloat16).recurrent.state.numel() * 4 if tcfg.hybrid else 0
     rows = []
     for label in args.budgets.split(","):
         budget = parse_tree_budget(label)
@@ -148,7 +187,11 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1000)
         stages = stage_times(engine, budget)
         gen.close()
-        target_floor = forward_floor(tparams, size, kv_token_bytes * (args.prompt_len + size), ceilings)
+        context = args.prompt_len + size
+        # Attention FLOPs (q.k and p.v): 4 x queries x context x head_dim x query heads per layer.
+        attn_flops = 4 * size * context * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
+        target_floor = forward_floor(tparams, size, kv_token_bytes * context + state_bytes, ceilings,
+                                     extra_flops=attn_flops)
         draft_floor = 0.0 if budget == AR else forward_floor(dparams, 16, 0, ceilings)
         floor_ms = (target_floor + draft_floor) * 1000
         median = statistics.median(times[4:])
@@ -164,7 +207,8 @@ def main() -> None:
         "git_revision": git_revision(),
         "ceilings": ceilings,
         "capture_seconds": engine.capture_seconds,
-        "shape": "Qwen3-8B target (random bf16), 5-layer DFlash drafter, block 16",
+        "shape": (f"{args.shape} target (random bf16), {drafter.config.num_hidden_layers}-layer DFlash drafter, block 16; "
+                  "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs"),
         "prompt_len": args.prompt_len,
         "rows": rows,
     }
