@@ -41,3 +41,24 @@ def test_one_compiled_set_serves_every_call(tmp_path, eager_backend_compile):
         for budget in ("ar", "chain", 4):
             assert compiled.generate(prompt, params, budget).token_ids == \
                 eager.generate(prompt, params, budget).token_ids, (dtype, budget)
+
+
+def test_hybrid_compiled_glue_serves_every_call(tmp_path, eager_backend_compile, monkeypatch):
+    """The hybrid target's compiled glue (`hybrid.HybridOps`): prefill, `ar` steps, tree verifies
+    and commits of every layer kind, in both dtypes, within the recompile limit, same tokens."""
+    from ddtree.models import hybrid
+    from tiny_models import make_hybrid_target
+
+    monkeypatch.setattr(hybrid, "_HYBRID_COMPILED", None)
+    make_hybrid_target(tmp_path / "t", layers=4)
+    make_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = list(range(5, 30))
+    for dtype in ("float32", "bfloat16"):
+        compiled = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128,
+                       compile_layers=True)
+        eager = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128)
+        assert compiled.engine.target.ops is hybrid._HYBRID_COMPILED and eager.engine.target.ops is hybrid.HYBRID_EAGER
+        for budget in ("ar", "chain", 4):
+            assert compiled.generate(prompt, params, budget).token_ids == \
+                eager.generate(prompt, params, budget).token_ids, (dtype, budget)

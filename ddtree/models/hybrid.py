@@ -27,7 +27,7 @@ from ddtree.kv_cache import KVCache
 from ddtree.models import gated_deltanet as gdn
 from ddtree.models.configs import TargetConfig
 from ddtree.models.layers import AttentionMeta, RotaryTable, SwiGLU, attend, logits_float32
-from ddtree.models.fused import rotate
+from ddtree.models.fused import RECOMPILE_LIMIT, rotate
 from ddtree.recurrent_state import HybridCache, RecurrentScratch, RecurrentState
 
 log = logging.getLogger("ddtree.models")
@@ -59,6 +59,65 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * normed).float() * F.silu(z.float())).to(o.dtype)
 
 
+def add_and_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """The residual stream h + delta (delta None: h) and its zero-centred RMSNorm."""
+    if delta is not None:
+        h = h + delta
+    return h, zero_centred_rms_norm(h, weight, eps)
+
+
+def attention_inputs(qg, k, q_norm, k_norm, cos, sin, n_heads: int, n_kv: int, head_dim: int, eps: float):
+    """The gated attention's projections qg [N, Hq * 2D], k [N, Hkv * D] -> q [N, Hq, D] and k
+    [N, Hkv, D] (normed, rotated), gate [N, Hq * D]."""
+    n = qg.shape[0]
+    q, gate = qg.view(n, n_heads, 2 * head_dim).chunk(2, dim=-1)
+    q = rotate(zero_centred_rms_norm(q, q_norm, eps), cos, sin)
+    k = rotate(zero_centred_rms_norm(k.view(n, n_kv, head_dim), k_norm, eps), cos, sin)
+    return q, k, gate.reshape(n, n_heads * head_dim)
+
+
+def gated_output(attn, gate):
+    return attn * torch.sigmoid(gate)
+
+
+def gdn_inputs(conv_in, a, b, conv_weight, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
+    """conv_in [T, K, C] (each row's K conv inputs, oldest first), a, b [T, Hv] -> the
+    recurrence's q, k [T, Hk, Dk] (float32, normalised), v [T, Hv, Dv], g, beta [T, Hv]."""
+    t = conv_in.shape[0]
+    mixed = (conv_in.float() * conv_weight.float().t()[None]).sum(1).to(conv_in.dtype)
+    q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k = gdn.normalize_qk(q.reshape(t, hk, dk), k.reshape(t, hk, dk))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v.reshape(t, hv, dv), g, b.sigmoid().float()
+
+
+def gdn_output(o, z, norm_w, eps: float, hv: int, dv: int):
+    """o [N, Hv, Dv] float32, z [N, Hv * Dv] -> RMSNorm(o) * w * silu(z) as [N, Hv * Dv]."""
+    n = o.shape[0]
+    return gated_rms_norm(o.to(z.dtype), z.view(n, hv, dv), norm_w, eps).reshape(n, hv * dv)
+
+
+def swiglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class HybridOps:
+    """The elementwise glue of the hybrid layers: eager, or each function compiled once for all
+    layers (CUDA), as `fused.LayerOps` does for dense targets."""
+
+    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_output", "swiglu")
+
+    def __init__(self, compiled: bool):
+        for name in self.NAMES:
+            fn = globals()[name]
+            setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
+
+
+HYBRID_EAGER = HybridOps(compiled=False)
+_HYBRID_COMPILED: HybridOps | None = None
+
+
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate; q/k/v projections fused into one matrix
     [Hq * 2D + 2 * Hkv * D, H] (rows: per head query then gate, then keys, then values)."""
@@ -76,16 +135,14 @@ class GatedAttention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
         n = x.shape[0]
         qg, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
-        q, gate = qg.view(n, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = rotate(zero_centred_rms_norm(q, self.q_norm, self.eps), cos, sin)
-        k = rotate(zero_centred_rms_norm(k.view(n, self.n_kv, self.head_dim), self.k_norm, self.eps), cos, sin)
+        q, k, gate = ops.attention_inputs(qg, k, self.q_norm, self.k_norm, cos, sin, self.n_heads, self.n_kv,
+                                          self.head_dim, self.eps)
         keys, values = cache.write(self.kv_index, meta.write_slots, k, v.view(n, self.n_kv, self.head_dim), meta.kv_len)
-        out = attend(q, keys, values, meta, self.scale)
-        out = out * torch.sigmoid(gate.reshape(n, -1))
+        out = ops.gated_output(attend(q, keys, values, meta, self.scale), gate)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -122,17 +179,11 @@ class GatedDeltaNet(nn.Module):
 
     # -- pieces shared by the verify, the sequence forms and the commit -------------------------
 
-    def _mix(self, conv_in: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-        """conv_in [T, K, C] (each row's K conv inputs, oldest first), a, b [T, Hv] -> the
-        recurrence's q, k [T, Hk, Dk] (float32, normalised), v [T, Hv, Dv], g, beta [T, Hv]."""
-        t = conv_in.shape[0]
-        mixed = (conv_in.float() * self.conv_weight.float().t()[None]).sum(1).to(conv_in.dtype)
-        q, k, v = F.silu(mixed).split(self.qkv_split, dim=-1)
-        q, k = gdn.normalize_qk(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return q, k, v.view(t, self.hv, self.dv), g, b.sigmoid().float()
+    def _inputs(self, conv_in, a, b, ops: HybridOps):
+        return ops.gdn_inputs(conv_in, a, b, self.conv_weight, self.A_log, self.dt_bias, self.hk, self.dk, self.hv,
+                              self.dv)
 
-    def _advance(self, mixed, a, b, state: torch.Tensor, window: torch.Tensor, length, fresh: bool):
+    def _advance(self, mixed, a, b, state: torch.Tensor, window: torch.Tensor, length, fresh: bool, ops: HybridOps):
         """Run a sequence from (state, window) [K - 1, C], both updated in place to after its first
         `length` rows -> o [T, Hv, Dv] float32."""
         t, k1 = mixed.shape[0], self.kernel - 1
@@ -141,7 +192,7 @@ class GatedDeltaNet(nn.Module):
             window.zero_()
         padded = torch.cat([window, mixed], dim=0)  # [K - 1 + T, C]
         conv_in = padded.unfold(0, self.kernel, 1).transpose(1, 2)  # [T, K, C]
-        q, k, v, g, beta = self._mix(conv_in, a, b)
+        q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
         last = torch.arange(k1, device=mixed.device) + (t if length is None else length)
         window.copy_(padded.index_select(0, last))
         if t <= LOOP_MAX_TOKENS and not fresh:
@@ -150,37 +201,32 @@ class GatedDeltaNet(nn.Module):
             return gdn.recurrent_gated_delta(q, k, v, g, beta, state, length)
         return gdn.chunked_gated_delta(q, k, v, g, beta, state, length)
 
-    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """o [N, Hv, Dv] float32, z [N, Hv * Dv] -> [N, H]."""
-        n = o.shape[0]
-        out = gated_rms_norm(o.to(z.dtype), z.view(n, self.hv, self.dv), self.norm, self.eps)
-        return F.linear(out.reshape(n, -1), self.out_proj.weight)
-
     # -- the forward and the commit ----------------------------------------------------------------
 
-    def forward(self, x, meta: AttentionMeta, cache: RecurrentState) -> torch.Tensor:
+    def forward(self, x, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
         mixed, z, b, a = F.linear(x, self.in_proj.weight).split(self.split, dim=-1)
         state, window = cache.state[self.linear_index], cache.conv[self.linear_index]
         if meta.parents is None:
-            o = self._advance(mixed, a, b, state, window, meta.length, fresh=meta.causal)
-            return self._output(o, z)
-        meta.scratch.store(self.linear_index, mixed, a, b)
-        if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
-            meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
-        conv_in = torch.cat([window, mixed], dim=0)[meta._shared["conv_ancestors"]]  # [N, K, C]
-        q, k, v, g, beta = self._mix(conv_in, a, b)
-        if _use_kernels(q, k, v, state):
-            o = gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
+            o = self._advance(mixed, a, b, state, window, meta.length, meta.causal, ops)
         else:
-            o = gdn.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
-        return self._output(o, z)
+            meta.scratch.store(self.linear_index, mixed, a, b)
+            if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
+                meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
+            conv_in = torch.cat([window, mixed], dim=0)[meta._shared["conv_ancestors"]]  # [N, K, C]
+            q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
+            if _use_kernels(q, k, v, state):
+                o = gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
+            else:
+                o = gdn.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
+        return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
 
-    def commit(self, cache: RecurrentState, scratch: RecurrentScratch, order: torch.Tensor, length) -> None:
+    def commit(self, cache: RecurrentState, scratch: RecurrentScratch, order: torch.Tensor, length,
+               ops: HybridOps) -> None:
         """Advance the state and window by the accepted path: the stashed nodes `order` [M] (the
         path first, root included), of which the first `length` are real."""
         mixed, a, b = scratch.rows(self.linear_index, order)
-        self._advance(mixed, a, b, cache.state[self.linear_index], cache.conv[self.linear_index], length, fresh=False)
+        self._advance(mixed, a, b, cache.state[self.linear_index], cache.conv[self.linear_index], length, False, ops)
 
 
 class HybridLayer(nn.Module):
@@ -196,13 +242,18 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, h, cos, sin, meta: AttentionMeta, cache: HybridCache) -> torch.Tensor:
-        x = zero_centred_rms_norm(h, self.input_layernorm, self.eps)
+    def forward(self, h, delta, cos, sin, meta: AttentionMeta, cache: HybridCache, ops: HybridOps):
+        """(h, delta): the previous layer's output as h + delta (delta None for the embeddings), left
+        unsummed so that the add is fused into this layer's first norm -> this layer's (h, delta)."""
+        h, x = ops.add_and_norm(h, delta, self.input_layernorm, self.eps)
         if self.kind == "linear_attention":
-            h = h + self.linear_attn(x, meta, cache.recurrent)
+            mixed = self.linear_attn(x, meta, cache.recurrent, ops)
         else:
-            h = h + self.self_attn(x, cos, sin, meta, cache.kv)
-        return h + self.mlp(zero_centred_rms_norm(h, self.post_attention_layernorm, self.eps))
+            mixed = self.self_attn(x, cos, sin, meta, cache.kv, ops)
+        h, x = ops.add_and_norm(h, mixed, self.post_attention_layernorm, self.eps)
+        mlp = self.mlp
+        return h, F.linear(ops.swiglu(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)),
+                           mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 class HybridTarget(nn.Module):
@@ -225,10 +276,15 @@ class HybridTarget(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+        self.ops = HYBRID_EAGER
 
     def use_compiled(self) -> None:
-        """Kept for the engine's interface: the hybrid layers run eagerly (their Triton kernels
-        and cuBLAS do the heavy work; the elementwise glue is not yet fused)."""
+        """Run the layers' elementwise glue through torch.compile (CUDA)."""
+        global _HYBRID_COMPILED
+        if _HYBRID_COMPILED is None:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            _HYBRID_COMPILED = HybridOps(compiled=True)
+        self.ops = _HYBRID_COMPILED
 
     def new_cache(self, slots: int, device, dtype) -> HybridCache:
         cfg, g = self.config, self.config.gdn
@@ -246,7 +302,7 @@ class HybridTarget(nn.Module):
         accepted path first) and advance every recurrent layer by the path's `length` nodes."""
         cache.kv.compact(start, order)
         for layer in self.linear_layers:
-            layer.commit(cache.recurrent, scratch, order, length)
+            layer.commit(cache.recurrent, scratch, order, length, self.ops)
 
     def forward(self, tokens, positions, meta: AttentionMeta, cache: HybridCache,
                 feature_layers: list[int] | None = None, logit_rows=None):
@@ -255,12 +311,14 @@ class HybridTarget(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         wanted = set(feature_layers or ())
         taps = {}
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache)
+            h, delta = layer(h, delta, cos, sin, meta, cache, self.ops)
             if i in wanted:
+                h, delta = h + delta, None  # the drafter reads this layer's output
                 taps[i] = h
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
         if logit_rows is not None:
-            h = h[logit_rows]
-        normed = zero_centred_rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, delta = h[logit_rows], None if delta is None else delta[logit_rows]
+        _, normed = self.ops.add_and_norm(h, delta, self.norm, self.config.rms_norm_eps)
         return logits_float32(normed, self.lm_head.weight), features
