@@ -18,6 +18,7 @@ commit) advances the state and the window.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +39,12 @@ except ImportError:
     gdn_kernels = None
 
 
+# DDTREE_GDN_KERNELS=0 runs the PyTorch forms on CUDA too (to measure the kernels against them).
+KERNELS_ENABLED = os.environ.get("DDTREE_GDN_KERNELS", "1") != "0"
+
+
 def _use_kernels(q, k, v, state) -> bool:
-    return q.is_cuda and gdn_kernels is not None and gdn_kernels.supported(q, k, v, state)
+    return KERNELS_ENABLED and q.is_cuda and gdn_kernels is not None and gdn_kernels.supported(q, k, v, state)
 
 # Sequences that extend a committed state by up to this many tokens (an `ar` step, a commit) run
 # the token loop; a prefill runs the chunked form.
