@@ -227,10 +227,10 @@ class Engine:
         bufs = self.buffers[budget]
         tree, n = bufs.tree, self.n
         # Every node sees the context [0, n) and its ancestors among the tree's slots n .. n + N - 1.
-        # Recurrent layers read the tree's shape (for "ar", a one-token sequence step, none).
-        meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible)
-        if budget != AR:
-            meta.parents, meta.depths, meta.scratch = tree.parents, tree.depths, bufs.scratch
+        # Recurrent layers (hybrid targets) read the tree's shape and stash what the commit needs:
+        # a verify never writes their state, so a graph's warm-up run cannot advance it.
+        meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible,
+                             parents=tree.parents, depths=tree.depths, scratch=bufs.scratch)
         taps = self.feature_layers if budget != AR else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:
@@ -251,7 +251,10 @@ class Engine:
         bufs = self.buffers[budget]
         tree = bufs.tree
         if budget == AR:
-            # One node, whose entries the verify already wrote at slot n: nothing to walk or move.
+            # One node, whose entries the verify already wrote at slot n: nothing to walk or move
+            # (a hybrid target's recurrent layers still commit the node).
+            if bufs.scratch is not None:
+                self.target.commit(self.cache, self.n, bufs.offsets[:1], self._one[0], bufs.scratch)
             bufs.summary.copy_(torch.cat([self._one, tree.tokens[:1], bufs.choices[:1]]))
             self.n.add_(1)
             self.root.copy_(bufs.choices[0])
@@ -333,7 +336,7 @@ class Engine:
             return
         size = tree_size(budget, self.block_size)
         keep = min(size, self.block_size or 1)
-        scratch = self.target.new_scratch(size, self.device, self.dtype) if budget != AR else None
+        scratch = self.target.new_scratch(size, self.device, self.dtype)
         self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype, scratch)
         zero = torch.zeros((), dtype=torch.long, device=self.device)
         if budget == AR:

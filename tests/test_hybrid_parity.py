@@ -173,3 +173,20 @@ def test_deep_acceptance_with_near_uniform_drafter(tiny_vocab, budget, least_mea
     assert out.stats.mean_acceptance_length >= least_mean, out.stats.acceptance_lengths
     if budget == 1024:
         assert min(rounds) >= 3, rounds
+
+
+@pytest.mark.parametrize("budget", ["ar", "chain", 16])
+def test_a_round_front_writes_no_recurrent_state(hybrid, budget):
+    """A CUDA graph is warmed up by running its function once before capture, so the front of a
+    round (draft, build, verify) must leave the recurrent state as it found it, at every budget."""
+    _, target_dir, draft_dir = hybrid
+    llm = LLM(target_dir, draft_dir, device="cpu", dtype="float32", max_model_len=MAX_LEN, overlap=False)
+    stream = llm.engine.generate([3, 1, 4, 1, 5, 9], SamplingParams(max_tokens=50, ignore_eos=True), budget)
+    next(stream), next(stream)  # the prefill and one round
+    engine = llm.engine
+    state, conv = engine.cache.recurrent.state.clone(), engine.cache.recurrent.conv.clone()
+    with torch.inference_mode():
+        for _ in range(2):
+            engine._front(budget, engine._front_kv_len(budget, engine._host_n))
+    assert torch.equal(engine.cache.recurrent.state, state) and torch.equal(engine.cache.recurrent.conv, conv)
+    stream.close()

@@ -94,8 +94,9 @@ class AttentionMeta:
 
     Recurrent layers (hybrid targets) read three more fields:
     - `parents` [N] long (a tree's parent index per node, -1 for the root; nodes in topological
-      order) and `depths` [N]: the forward is a tree verify, which reads the recurrent state and
-      writes none, and stashes what the commit of the accepted path needs into `scratch`;
+      order) and `depths` [N]: the forward is a round's verify (every budget, `ar`'s one node
+      included), which reads the recurrent state and writes none, and stashes what the commit of
+      the accepted path needs into `scratch`;
     - otherwise the N tokens are a sequence that advances the state (from zero when `causal`, a
       new sequence's prefill), and `length` ([] long or None = N) says how many rows are real:
       the state is left as after the first `length` tokens (the rest is padding).
