@@ -306,6 +306,9 @@ class HybridTarget(nn.Module):
         """After a round's walk: move the accepted nodes' KV entries into place (`order` [M]: the
         accepted path first) and advance every recurrent layer by the path's `length` nodes."""
         cache.kv.compact(start, order)
+        # A real walk accepts at most len(order) nodes; a graph's warm-up runs the back half on a
+        # tree that was never built, whose walk can claim more.
+        length = torch.clamp(length, max=order.shape[0])
         for layer in self.linear_layers:
             layer.commit(cache.recurrent, scratch, order, length, self.ops)
 
