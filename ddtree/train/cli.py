@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
+from ddtree.train.architectures import add_architecture_args
 
 
 def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, batch: int, eval_every: int,
@@ -57,9 +58,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    t = subparsers.add_parser("train-target", help="train a BPE tokenizer and a small Qwen3 target on Python code",
-                              description="Train a byte-level BPE tokenizer and a small Qwen3 causal LM; write a "
-                                          "Hugging Face directory.")
+    t = subparsers.add_parser("train-target", help="train a BPE tokenizer and a small Qwen3 / Qwen3.5 target on "
+                                                   "Python code",
+                              description="Train a byte-level BPE tokenizer and a small Qwen3 (dense) or Qwen3.5 "
+                                          "(hybrid) causal LM; write a Hugging Face directory.")
     t.add_argument("--out", required=True, help="output folder (Hugging Face format)")
     _corpus_args(t)
     s = t.add_argument_group("tokenizer and model shape")
@@ -72,6 +74,7 @@ def register(subparsers) -> None:
     s.add_argument("--intermediate-size", type=int, default=1024)
     s.add_argument("--seq-len", type=int, default=512, help="training window in tokens (default 512)")
     s.add_argument("--max-position-embeddings", type=int, default=2048)
+    add_architecture_args(s)
     s.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="share the embedding and LM head (default on)")
     s.add_argument("--compile", action="store_true", help="torch.compile the model")

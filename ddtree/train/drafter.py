@@ -32,6 +32,7 @@ from ddtree.train.common import (Checkpoint, LoopSettings, autocast, check_posit
                                  make_optimizer, resolve_device, seed_everything, step_generator, train_loop)
 from ddtree.train.corpus import load_corpus, read_texts
 from ddtree.train.target import random_windows
+from ddtree.train.target_layers import drafter_init_layers
 from ddtree.train.tokenizer import encode_stream, load_hf_tokenizer, mask_token_id
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -71,7 +72,7 @@ def drafter_config_dict(target_dir: Path, layers: int, block_size: int, mask_id:
         "torch_dtype": "bfloat16",
     }
     for key in ("rope_scaling", "rope_parameters"):
-        if tcfg.get(key):
+        if tcfg.get(key) and not target.hybrid:  # a hybrid's drafter rotates whole heads, as Qwen3 does
             cfg[key] = tcfg[key]
     return cfg
 
@@ -93,7 +94,8 @@ def zlab_state_dict(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, tor
 
 def init_drafter(drafter: DFlashDrafter, target_hf, from_target: bool) -> None:
     """Linear weights ~ N(0, 0.02), norms 1; with `from_target`, drafter layer i starts as a copy of
-    target layer i (the shapes match: the drafter mirrors the target's attention and MLP)."""
+    target layer i (the shapes match: the drafter mirrors the target's attention and MLP); for a
+    hybrid target, of its i-th full-attention layer (`target_layers`)."""
     with torch.no_grad():
         for module in drafter.modules():
             if isinstance(module, torch.nn.Linear):
@@ -102,8 +104,7 @@ def init_drafter(drafter: DFlashDrafter, target_hf, from_target: bool) -> None:
                     module.bias.zero_()
         if not from_target:
             return
-        for mine, theirs in zip(drafter.layers, target_hf.model.layers):
-            src = dict(theirs.named_parameters())
+        for mine, src in zip(drafter.layers, drafter_init_layers(target_hf)):
             dst = dict(mine.named_parameters())
             for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                          "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",

@@ -66,19 +66,38 @@ Report: `{report.get('path', '')}` (git {report['git_revision'][:12]}); command:
 """
 
 
+def architecture(config: dict) -> tuple[str, str]:
+    """(what the model is, its shape) from a target's config.json: dense Qwen3 or the Qwen3.5 hybrid."""
+    attention = f"{config['num_attention_heads']} heads / {config['num_key_value_heads']} KV heads of {config['head_dim']}"
+    tail = f"MLP {config['intermediate_size']}, tied embeddings: {config.get('tie_word_embeddings')}"
+    types = config.get("layer_types") or []
+    if "linear_attention" not in types:
+        return ("Qwen3-architecture causal LM",
+                f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {attention}, {tail}")
+    full = types.count("full_attention")
+    rotary = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+    return ("Qwen3.5-architecture hybrid causal LM (Gated DeltaNet and gated full-attention layers)",
+            f"{len(types)} layers ({len(types) - full} Gated DeltaNet, {full} gated full attention), hidden "
+            f"{config['hidden_size']}; attention {attention}, rotary on {rotary:.0%} of each head; Gated DeltaNet "
+            f"{config['linear_num_key_heads']} key / {config['linear_num_value_heads']} value heads of "
+            f"{config['linear_key_head_dim']} / {config['linear_value_head_dim']}, conv kernel "
+            f"{config['linear_conv_kernel_dim']}; {tail}")
+
+
 def target_card(summary: dict, config: dict, folder: Path, report: dict, script: str | None) -> str:
     default_note = " Under `models/demo-target` it is the default target of every ddtree command." \
         if folder.name == "demo-target" else ""
+    kind, shape = architecture(config)
     return f"""# {folder.name}
 
-A small Qwen3-architecture causal LM for Python code, trained from scratch by `ddtree train-target`
+A small {kind} for Python code, trained from scratch by `ddtree train-target`
 on {summary['corpus']}. It loads in `transformers.AutoModelForCausalLM` / `AutoTokenizer` unchanged;
 its DFlash drafter is `{Path(report['draft']).name}`.{default_note}
 
 | | |
 |---|---|
 | parameters | {summary['parameters'] / 1e6:.2f} M ({_size_mb(folder):.1f} MB of weights on disk) |
-| shape | {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads / {config['num_key_value_heads']} KV heads of {config['head_dim']}, MLP {config['intermediate_size']}, tied embeddings: {config.get('tie_word_embeddings')} |
+| shape | {shape} |
 | tokenizer | byte-level BPE, {config['vocab_size']} tokens; eos `<|endoftext|>`, drafter mask `<|mask|>` |
 | training tokens | {summary['train_tokens']:,} in the training files ({summary['tokens_seen']:,} seen) |
 | held-out files | {summary['held_out_files']} ({summary['held_out_fraction']:.0%} of files by path hash), {summary['held_out_tokens']:,} tokens |

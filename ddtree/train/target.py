@@ -1,7 +1,8 @@
-"""`ddtree train-target`: a byte-level BPE tokenizer and a small Qwen3 causal LM trained on the
-corpus, saved as a Hugging Face directory (`AutoModelForCausalLM` / `AutoTokenizer` load it).
+"""`ddtree train-target`: a byte-level BPE tokenizer and a small causal LM trained on the corpus,
+saved as a Hugging Face directory (`AutoModelForCausalLM` / `AutoTokenizer` load it).
 
-The model is transformers' own `Qwen3ForCausalLM`; batches are random windows of `seq_len + 1`
+The model is transformers' own `Qwen3ForCausalLM` (dense) or, with `--arch qwen3_5`,
+`Qwen3_5ForCausalLM` (hybrid; see `architectures`); batches are random windows of `seq_len + 1`
 tokens from the concatenated training files (eos between files); the held-out loss is the mean
 next-token cross-entropy over fixed windows of the held-out files.
 """
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.config import DDTreeError
+from ddtree.train.architectures import build_model, resolve_architecture, shape_fields
 from ddtree.train.common import (Checkpoint, LoopSettings, autocast, check_positive, check_resume, command_line,
                                  make_optimizer, resolve_device, seed_everything, step_generator, train_loop)
 from ddtree.train.corpus import load_corpus, read_texts
@@ -37,6 +39,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise DDTreeError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}", "heads")
     if args.head_dim % 2:
         raise DDTreeError(f"--head-dim must be even (rotary embeddings), got {args.head_dim}", "head_dim")
+    resolve_architecture(args)
     if args.seq_len > args.max_position_embeddings:
         raise DDTreeError(f"--seq-len {args.seq_len} exceeds --max-position-embeddings {args.max_position_embeddings}",
                           "seq_len")
@@ -61,20 +64,6 @@ def loop_settings(args: argparse.Namespace) -> LoopSettings:
     return LoopSettings(steps=args.steps, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                         weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_every=args.eval_every,
                         save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit)
-
-
-def build_model(args: argparse.Namespace, eos_id: int):
-    """A freshly initialised `Qwen3ForCausalLM` of the requested shape (float32)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size, max_position_embeddings=args.max_position_embeddings,
-        tie_word_embeddings=args.tie_embeddings, rope_theta=10000.0, rms_norm_eps=1e-6,
-        eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None, use_cache=True,
-    )
-    return Qwen3ForCausalLM(cfg)
 
 
 def windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -123,7 +112,7 @@ def train_target(args: argparse.Namespace) -> dict:
                               "seq_len")
 
     resolve_schedule(args, train_stream.numel())
-    run_config = {**{k: getattr(args, k) for k in SHAPE_FIELDS}, **loop_settings(args).schedule(),
+    run_config = {**{k: getattr(args, k) for k in (*SHAPE_FIELDS, *shape_fields(args))}, **loop_settings(args).schedule(),
                   "batch_size": args.batch_size, "seed": args.seed, "held_out_fraction": args.held_out_fraction,
                   "epochs": args.epochs, "corpus": [str(Path(c).resolve()) for c in args.corpus or []]}
     if resume_state is not None:
@@ -158,6 +147,7 @@ def train_target(args: argparse.Namespace) -> dict:
     summary = {
         "command": command_line(args),
         "kind": "target",
+        "arch": args.arch,
         "corpus": corpus.describe(),
         "corpus_roots": [str(r) for r in corpus.roots],
         "held_out_fraction": corpus.held_out_fraction,
