@@ -149,10 +149,29 @@ def stage_times(engine: Engine, budget) -> dict:
     return out
 
 
+def write_result(args, rows, ceilings, engine, drafter, prompt_lens):
+    """The JSON so far (written after every row, so a run cut short keeps what it measured)."""
+    result = {
+        "benchmark": "round_latency",
+        "command": "python benchmarks/round_latency.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
+        "git_revision": git_revision(),
+        "ceilings": ceilings,
+        "capture_seconds": engine.capture_seconds,
+        "shape": (f"{args.shape} target (random bf16), {drafter.config.num_hidden_layers}-layer DFlash drafter, block 16; "
+                  "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs"),
+        "prompt_lens": prompt_lens,
+        "rows": rows,
+    }
+    out = results_path(args.output, "round_latency")
+    out.write_text(json.dumps(result, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budgets", default="ar,chain,16,32,64,128,256,512,1024")
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", default="512", help="prompt lengths, comma-separated (one model build for all)")
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b"], default="qwen3-8b")
@@ -161,10 +180,10 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
-    max_len = max(2048, args.prompt_len + 1024)  # room for the rounds after the prompt
+    prompt_lens = [int(x) for x in args.prompt_len.split(",")]
+    max_len = max(2048, max(prompt_lens) + 1024)  # room for the rounds after the prompt
     target, drafter = build_models(device, torch.bfloat16, args.draft_layers, 16, max_len, args.shape)
     engine = Engine(target, drafter, max_model_len=max_len)
-    prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
 
     tparams = matmul_params(target, skip_embedding=True)
@@ -175,7 +194,8 @@ def main() -> None:
     # A hybrid's recurrent state is read by every verify and rewritten by every commit (float32).
     state_bytes = 2 * target.new_cache(1, "meta", torch.bfloat16).recurrent.state.numel() * 4 if tcfg.hybrid else 0
     rows = []
-    for label in args.budgets.split(","):
+    for prompt_len, label in [(p, b) for p in prompt_lens for b in args.budgets.split(",")]:
+        prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
         budget = parse_tree_budget(label)
         size = tree_size(budget, 16)
         gen = engine.generate(prompt, params, budget)
@@ -187,7 +207,7 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1000)
         stages = stage_times(engine, budget)
         gen.close()
-        context = args.prompt_len + size
+        context = prompt_len + size
         # Attention FLOPs (q.k and p.v): 4 x queries x context x head_dim x query heads per layer.
         attn_flops = 4 * size * context * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
         target_floor = forward_floor(tparams, size, kv_token_bytes * context + state_bytes, ceilings,
@@ -195,25 +215,13 @@ def main() -> None:
         draft_floor = 0.0 if budget == AR else forward_floor(dparams, 16, 0, ceilings)
         floor_ms = (target_floor + draft_floor) * 1000
         median = statistics.median(times[4:])
-        rows.append({"tree_budget": label, "tree_nodes": size, "round_ms_median": median,
+        rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,
                      "round_ms_all": times, "floor_ms": floor_ms, "ratio_to_floor": median / floor_ms,
                      "target_floor_ms": target_floor * 1000, "draft_floor_ms": draft_floor * 1000, **stages})
-        print(f"{label:>6}  round {median:7.2f} ms  floor {floor_ms:6.2f} ms  x{median / floor_ms:4.2f}  "
+        write_result(args, rows, ceilings, engine, drafter, prompt_lens)
+        print(f"{prompt_len:>6} {label:>6}  round {median:7.2f} ms  floor {floor_ms:6.2f} ms  x{median / floor_ms:4.2f}  "
               + "  ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
-    result = {
-        "benchmark": "round_latency",
-        "command": "python benchmarks/round_latency.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
-        "git_revision": git_revision(),
-        "ceilings": ceilings,
-        "capture_seconds": engine.capture_seconds,
-        "shape": (f"{args.shape} target (random bf16), {drafter.config.num_hidden_layers}-layer DFlash drafter, block 16; "
-                  "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs"),
-        "prompt_len": args.prompt_len,
-        "rows": rows,
-    }
-    out = results_path(args.output, "round_latency")
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args, rows, ceilings, engine, drafter, prompt_lens)
     print(f"wrote {out}; bandwidth {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
 
 
