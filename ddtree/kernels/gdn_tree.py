@@ -1,0 +1,457 @@
+"""The gated delta rule (Gated DeltaNet's recurrence) on a draft tree and over a few tokens, as
+Triton kernels. References and math: `ddtree.models.gated_deltanet` (same names, same semantics).
+
+`tree_gated_delta` (the verify): every node of a tree from the committed state S, which is read,
+never written. Per value head, with G = visible @ g (log-decay summed along each node's path),
+decay[i, j] = exp(G_i - G_j) over j on i's path, A[i, j] = beta_i (k_i . k_j) decay[i, j] over
+strict ancestors j, P[i, j] = (q_i . k_j) decay[i, j] over j on i's path:
+
+    (I + A) u = beta (v - exp(G) k S);   o = exp(G) q S + P u
+
+Nodes are in topological order, so A is strictly lower-triangular; in blocks of BLOCK_T nodes,
+u_b = T_b (rhs_b - sum_{c < b} A_bc u_c) with T_b = (I + A_bb)^-1. Only that recurrence over the
+blocks is sequential, and it is cheap once everything else is known, so two launches:
+
+1. `_tree_prepare`, programs per (value head, block), all in parallel: the block's rows of the
+   mask give G and the union U of the earlier columns they see (their ancestors outside the
+   block, compacted into a list). U is closed under ancestors, so G of each column in U is a sum
+   over U too: no other block's results are needed. One program then makes A and P over U, T_b
+   and P_bb; others rhs0 = beta (v - exp(G) k S) and exp(G) q S, a tile of value columns each.
+   A tree has few ancestors per node (at most 16 on a root path here), so U is a few dozen
+   columns (mean 37 at N = 257, 52 at 1025, deep drafts) where a dense walk over the earlier
+   blocks would take ~N/2.
+2. `_tree_solve`, one program per (value head, tile), block by block: gathers u over U, then
+   u_b = T_b (rhs0_b - A_bU u_U), o_b = exp(G) q S + P_bU u_U + P_bb u_b; u goes to scratch for
+   later blocks (a block barrier makes it visible to the program's other threads). The next
+   block's other inputs are loaded before that barrier: a block waits on the u gather alone.
+
+T_b is found by Jacobi sweeps T <- I - A_bb T, as many as the longest chain of ancestors inside the
+block: a row whose in-block ancestors are final is final after one more sweep, so the sweeps do
+forward substitution's arithmetic and end exactly. Any ancestor-or-self mask in topological order
+is solved exactly (a forest, a chain); the depth only sets the work. A single node (N = 1, an
+autoregressive step) is one token of the loop below, without the state's write.
+
+`recurrent_gated_delta` (a decode step, a round's commit): the token loop itself. One program per
+(value head, BLOCK_V columns) holds its [Dk, BLOCK_V] state tile in registers through T tokens and
+writes it back; rows at or past `length` (read on the device, no host sync) decay by 1 and write
+nothing, so the state is the one after the first `length` tokens, bit for bit.
+
+Numerics: float32 throughout. `tl.dot` on float32 is TF32 by default on NVIDIA GPUs (10-bit
+mantissas: errors of 7e-4 to 1e-3 of the outputs' scale, measured at the real shapes); the tree
+kernels use `TreeConfig.precision`, "tf32x3" (three TF32 products) by default or "ieee"
+(CUDA-core FMAs): under 6e-7 and 3e-7 measured at Qwen3.6-27B's heads on an H200, as the float32
+reference. Decays are exponentials of differences of G (never exp(-G) alone, which overflows).
+
+Both are CUDA-graph capturable: no host syncs, scratch from torch's allocator. In Triton's
+interpreter (CPU tests), loops with run-time bounds are `while` loops, which compile as well.
+
+Measured on an H200 at Qwen3.6-27B's GDN heads (Hk 16, Hv 48, Dk = Dv = 128), per call in a CUDA
+graph of 48 calls on 48 layer states, trees of deep drafts (`benchmarks/gdn_kernels.py`,
+benchmarks/README.md): the tree, N = 1 / 16 (chain) / 17 / 65 / 257 / 1025: 3.5 / 16.1 / 19.9 /
+30.6 / 125 / 686 us against the PyTorch reference's 60 / 88 / 91 / 141 / 488 / 3804; the token
+loop, T = 1 and 16: 3.7 and 11.8 us against 47 and 503. A first design, one program per (head,
+value tile) walking the blocks with all the work inside, took 13 / 29 / 89 / 500 us at
+N = 1 / 17 / 65 / 257: each block waited on a chain of dependent loads, with two programs per
+SM to hide them. What remains is not yet broken down between the two launches.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton: `models.gated_deltanet` is the path there
+    triton = None
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tiling of the tree kernels: `block_t` nodes per block, `block_c` ancestor columns per step,
+    `block_v` value columns per program of the solve and `prepare_v` of the prepare launch,
+    `block_w` mask columns per step of the row scan, `block_k` key dimensions per step of the
+    products (32 and 64: 250+ registers and spills at Dk = 128 on sm_90). `precision` is the
+    prepare launch's (the key and state products), `solve_precision` the solve's."""
+
+    block_t: int = 16
+    block_c: int = 32
+    block_v: int = 32
+    prepare_v: int = 128
+    block_w: int = 128
+    block_k: int = 16
+    precision: str = "tf32x3"
+    solve_precision: str = "tf32x3"
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """Tiling of the token loop: `block_v` value columns (of the state tile) per program. H200, Hv
+    48, D 128, 12 tilings: 16 columns and one warp were the fastest at T = 16 (11.7-11.9 us) and
+    within 2% of it at T = 1 (3.7 us); 32 columns and 4 warps took 17.1 and 4.4."""
+
+    block_v: int = 16
+    num_warps: int = 1
+
+
+RECURRENT_DEFAULT = RecurrentConfig()
+
+
+def tree_config(n: int) -> TreeConfig:
+    """The tiling for a tree of n nodes: the default at every n. Of 11 accurate tilings on an H200
+    (Hv 48, D 128; `benchmarks/gdn_kernels.py --sweep`) it was the fastest or within 6% at N = 16,
+    17, 65, 257; 64 ancestor columns per step were 1-27% slower, 8 warps 21-65%, 32-node blocks
+    56-187%."""
+    return TreeConfig()
+
+
+def _pow2_dim(d: int) -> bool:
+    return 16 <= d <= 256 and d & (d - 1) == 0
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None = None) -> bool:
+    """Whether both kernels handle these inputs: Triton present, a GPU (or Triton's interpreter),
+    Dk and Dv powers of two in [16, 256], whole value-head groups (Hv % Hk == 0), float32 / bf16 /
+    fp16 q, k, v, and a contiguous float32 state [Hv, Dk, Dv]."""
+    if triton is None or not (q.is_cuda or _INTERPRETED):
+        return False
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        return False
+    hk, dk = k.shape[1], k.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    ok = (_pow2_dim(dk) and _pow2_dim(dv) and hv % hk == 0
+          and q.dtype in DTYPES and k.dtype in DTYPES and v.dtype in DTYPES)
+    if state is not None:
+        ok = ok and state.dtype == torch.float32 and state.is_contiguous() and tuple(state.shape) == (hv, dk, dv)
+    return ok
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     visible: torch.Tensor, state: torch.Tensor, config: TreeConfig | None = None) -> torch.Tensor:
+    """Every node of a tree from `state` (read only). q, k [N, Hk, Dk] (L2-normalised, q scaled);
+    v [N, Hv, Dv]; g, beta [N, Hv]; visible [N, N] bool, the ancestor-or-self mask, nodes in
+    topological order; state [Hv, Dk, Dv] float32. -> o [N, Hv, Dv] float32.
+
+    Scratch (torch allocations, freed on return): the coefficients over the ancestor lists, sized
+    for the worst case (every earlier node an ancestor), about 4 Hv N^2 bytes (13 MB at N = 257,
+    200 MB at 1025 with Hv 48), plus 12 Hv N Dv bytes."""
+    n, hk, dk = k.shape
+    if n == 1:  # one node: one token of the loop, the state left as it is
+        return _token_loop(q, k, v, g, beta, state, None, RECURRENT_DEFAULT, write_state=False)
+    config = config or tree_config(n)
+    hv, dv = v.shape[1], v.shape[2]
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    g, beta = g.float(), beta.float()
+    bt, bc = config.block_t, config.block_c
+    block_v, prepare_v = min(config.block_v, dv), min(config.prepare_v, dv)
+    blocks = triton.cdiv(n, bt)
+    slots = bt * blocks * (blocks - 1) // 2 + bc  # block b's list at bt b (b - 1) / 2, at most bt b long
+    device = q.device
+    f32 = dict(dtype=torch.float32, device=device)
+    out = torch.empty(n, hv, dv, **f32)
+    cols = torch.empty(slots, dtype=torch.int32, device=device)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    coef = torch.empty(2, hv, slots, bt, **f32)  # A and P over each block's ancestor list, [slot, row]
+    diag = torch.empty(2, hv, blocks, bt, bt, **f32)  # T = (I + A_bb)^-1 and P_bb
+    rhs = torch.empty(2, hv, n, dv, **f32)  # beta (v - exp(G) k S) and exp(G) q S
+    u = torch.empty(hv, n, dv, **f32)
+    mask = visible.contiguous().view(torch.uint8)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+    meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, num_warps=config.num_warps, num_stages=config.num_stages)
+    _tree_prepare[(hv, blocks, 1 + dv // prepare_v)](
+        q, k, v, g, beta, mask, state, cols, counts, coef, diag, rhs, n, slots, *strides,
+        GROUP=hv // hk, BLOCK_V=prepare_v, BLOCK_W=config.block_w, BLOCK_K=min(config.block_k, dk),
+        PRECISION=config.precision, **meta)
+    _tree_solve[(hv, dv // block_v)](cols, counts, coef, diag, rhs, u, out, n, slots, BLOCK_V=block_v,
+                                     PRECISION=config.solve_precision, **meta)
+    return out
+
+
+def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, length: torch.Tensor | int | None = None,
+                          config: RecurrentConfig | None = None) -> torch.Tensor:
+    """The token loop from `state`, updated in place to the state after the first `length` tokens
+    (a 0-d integer tensor on the device, read by the kernel; an int; None: all T). Shapes as
+    `tree_gated_delta` with T tokens. -> o [T, Hv, Dv] float32."""
+    return _token_loop(q, k, v, g, beta, state, length, config or RECURRENT_DEFAULT, write_state=True)
+
+
+def _token_loop(q, k, v, g, beta, state, length, config: RecurrentConfig, write_state: bool) -> torch.Tensor:
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    g, beta = g.float(), beta.float()
+    block_v = min(config.block_v, dv)
+    out = torch.empty(t, hv, dv, dtype=torch.float32, device=q.device)
+    on_device = isinstance(length, torch.Tensor)
+    length_ptr = length.reshape(1) if on_device else out  # unused unless on_device
+    length_value = 0 if on_device else (t if length is None else int(length))
+    _recurrent_kernel[(hv, dv // block_v)](
+        q, k, v, g, beta, state, out, length_ptr, length_value, t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v, LENGTH_ON_DEVICE=on_device, WRITE_STATE=write_state,
+        num_warps=config.num_warps)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scan_rows(mask_ptr, g_ptr, cols_ptr, rows, live, start, end, n, h, sg_n, sg_h,
+                   BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Rows `rows` (the block [start, end)): G (their mask rows times g: the log-decay summed
+        along each path) and the columns < start that any of them sees, stored compacted at
+        cols_ptr. -> (G [BLOCK_T], number of columns)."""
+        path_g = tl.zeros([BLOCK_T], tl.float32)
+        count = 0
+        c0 = 0
+        while c0 < end:  # the mask is lower-triangular: nothing past the block's last row
+            c = c0 + tl.arange(0, BLOCK_W)
+            seen = tl.load(mask_ptr + rows[:, None] * n + c[None, :], mask=live[:, None] & (c < end)[None, :],
+                           other=0) != 0
+            gc = tl.load(g_ptr + c * sg_n + h * sg_h, mask=c < end, other=0.0)
+            path_g += tl.sum(tl.where(seen, gc[None, :], 0.0), 1)
+            flag = (tl.max(seen.to(tl.int32), 0) > 0) & (c < start)
+            at = count + tl.cumsum(flag.to(tl.int32), 0) - 1
+            tl.store(cols_ptr + at, c, mask=flag)
+            count += tl.sum(flag.to(tl.int32), 0)
+            c0 += BLOCK_W
+        return path_g, count
+
+    @triton.jit
+    def _list_path_g(mask_ptr, g_ptr, cols_ptr, c, ok, count, n, h, sg_n, sg_h, BLOCK_C: tl.constexpr):
+        """G of the listed columns c: the list holds every ancestor of each of them, so G_c is
+        the sum of g over the list entries that c sees."""
+        ci = tl.arange(0, BLOCK_C)
+        path_g = tl.zeros([BLOCK_C], tl.float32)
+        m0 = 0
+        while m0 < count:
+            m_ok = m0 + ci < count
+            m = tl.load(cols_ptr + m0 + ci, mask=m_ok, other=0)
+            seen = tl.load(mask_ptr + c[:, None] * n + m[None, :], mask=ok[:, None] & m_ok[None, :], other=0) != 0
+            gm = tl.load(g_ptr + m * sg_n + h * sg_h, mask=m_ok, other=0.0)
+            path_g += tl.sum(tl.where(seen, gm[None, :], 0.0), 1)
+            m0 += BLOCK_C
+        return path_g
+
+    @triton.jit
+    def _key_products(q_ptr, k_ptr, rows, live, c, c_ok, hk, sq_n, sq_h, sk_n, sk_h, DK: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """k_rows . k_c and q_rows . k_c -> two [rows, cols] tiles, Dk in slices of BLOCK_K (loaded
+        from the cache each time: whole [rows, Dk] float32 operands would not fit in registers)."""
+        kk = tl.zeros([rows.shape[0], c.shape[0]], tl.float32)
+        qk = tl.zeros([rows.shape[0], c.shape[0]], tl.float32)
+        for d0 in range(0, DK, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            kc = tl.load(k_ptr + c[:, None] * sk_n + hk * sk_h + d[None, :], mask=c_ok[:, None], other=0.0)
+            kc = tl.trans(kc.to(tl.float32))
+            kr = tl.load(k_ptr + rows[:, None] * sk_n + hk * sk_h + d[None, :], mask=live[:, None], other=0.0)
+            qr = tl.load(q_ptr + rows[:, None] * sq_n + hk * sq_h + d[None, :], mask=live[:, None], other=0.0)
+            kk += tl.dot(kr.to(tl.float32), kc, input_precision=PRECISION)
+            qk += tl.dot(qr.to(tl.float32), kc, input_precision=PRECISION)
+        return kk, qk
+
+    @triton.jit
+    def _state_products(q_ptr, k_ptr, state_ptr, rows, live, hk, dv, sq_n, sq_h, sk_n, sk_h, DK: tl.constexpr,
+                        DV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """k_rows S and q_rows S for the value columns dv -> two [rows, BLOCK_V] tiles."""
+        ks = tl.zeros([rows.shape[0], BLOCK_V], tl.float32)
+        qs = tl.zeros([rows.shape[0], BLOCK_V], tl.float32)
+        for d0 in range(0, DK, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            s = tl.load(state_ptr + d[:, None] * DV + dv[None, :])
+            kr = tl.load(k_ptr + rows[:, None] * sk_n + hk * sk_h + d[None, :], mask=live[:, None], other=0.0)
+            qr = tl.load(q_ptr + rows[:, None] * sq_n + hk * sq_h + d[None, :], mask=live[:, None], other=0.0)
+            ks += tl.dot(kr.to(tl.float32), s, input_precision=PRECISION)
+            qs += tl.dot(qr.to(tl.float32), s, input_precision=PRECISION)
+        return ks, qs
+
+    @triton.jit
+    def _tree_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, mask_ptr, state_ptr, cols_ptr, count_ptr, coef_ptr,
+                      diag_ptr, rhs_ptr, n, slots, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h,
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """Program (value head h, block b, part): everything of block b that does not depend on
+        other blocks' u (module docstring). Part 0: the ancestor list, A and P over it, T and P_bb;
+        part p > 0: beta (v - exp(G) k S) and exp(G) q S for value tile p - 1. The ancestor lists
+        depend on the mask only: every program writes the same values to the same place."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        part = tl.program_id(2)
+        hk = h // GROUP
+        hv = tl.num_programs(0)
+        blocks = tl.num_programs(1)
+        ti = tl.arange(0, BLOCK_T)
+        start = b * BLOCK_T
+        rows = start + ti
+        live = rows < n
+        lists = cols_ptr + BLOCK_T * (b * (b - 1) // 2)
+        path_g, count = _scan_rows(mask_ptr, g_ptr, lists, rows, live, start, tl.minimum(start + BLOCK_T, n), n, h,
+                                   sg_n, sg_h, BLOCK_T, BLOCK_W)
+        beta = tl.load(beta_ptr + rows * sb_n + h * sb_h, mask=live, other=0.0)
+        if part == 0:
+            tl.store(count_ptr + b, count)
+            tl.debug_barrier()  # the list is read by other threads
+            ci = tl.arange(0, BLOCK_C)
+            coef = coef_ptr + (h * slots + BLOCK_T * (b * (b - 1) // 2)) * BLOCK_T
+            j0 = 0
+            while j0 < count:  # A and P over the block's ancestors outside it
+                ok = j0 + ci < count
+                c = tl.load(lists + j0 + ci, mask=ok, other=0)
+                gc = _list_path_g(mask_ptr, g_ptr, lists, c, ok, count, n, h, sg_n, sg_h, BLOCK_C)
+                seen = tl.load(mask_ptr + rows[:, None] * n + c[None, :], mask=live[:, None] & ok[None, :],
+                               other=0) != 0
+                decay = tl.exp(tl.where(seen, path_g[:, None] - gc[None, :], float("-inf")))
+                kk, qk = _key_products(q_ptr, k_ptr, rows, live, c, ok, hk, sq_n, sq_h, sk_n, sk_h, DK, BLOCK_K,
+                                       PRECISION)
+                slot = (j0 + ci[None, :]) * BLOCK_T + ti[:, None]  # [slot, row] layout: the solve loads A^T
+                tl.store(coef + slot, beta[:, None] * kk * decay, mask=ok[None, :])
+                tl.store(coef + hv * slots * BLOCK_T + slot, qk * decay, mask=ok[None, :])
+                j0 += BLOCK_C
+            # The block itself: T = (I + A_bb)^-1 by Jacobi sweeps, and P_bb.
+            seen = tl.load(mask_ptr + rows[:, None] * n + rows[None, :], mask=live[:, None] & live[None, :],
+                           other=0) != 0
+            decay = tl.exp(tl.where(seen, path_g[:, None] - path_g[None, :], float("-inf")))
+            kk, qk = _key_products(q_ptr, k_ptr, rows, live, rows, live, hk, sq_n, sq_h, sk_n, sk_h, DK, BLOCK_K,
+                                   PRECISION)
+            strict = ti[:, None] > ti[None, :]
+            a = tl.where(strict, beta[:, None] * kk * decay, 0.0)
+            eye = (ti[:, None] == ti[None, :]).to(tl.float32)
+            t = eye
+            sweeps = tl.max(tl.sum((seen & strict).to(tl.int32), 1), 0)  # the longest in-block chain
+            while sweeps > 0:
+                t = eye - tl.dot(a, t, input_precision=PRECISION)
+                sweeps -= 1
+            square = ((h * blocks + b) * BLOCK_T + ti[:, None]) * BLOCK_T + ti[None, :]
+            tl.store(diag_ptr + square, t)
+            tl.store(diag_ptr + hv * blocks * BLOCK_T * BLOCK_T + square, qk * decay)
+        else:
+            dv = (part - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+            ks, qs = _state_products(q_ptr, k_ptr, state_ptr + h * DK * DV, rows, live, hk, dv, sq_n, sq_h, sk_n,
+                                     sk_h, DK, DV, BLOCK_V, BLOCK_K, PRECISION)
+            vb = tl.load(v_ptr + rows[:, None] * sv_n + h * sv_h + dv[None, :], mask=live[:, None], other=0.0)
+            eg = tl.exp(path_g)[:, None]
+            tile = (h * n + rows[:, None]) * DV + dv[None, :]
+            tl.store(rhs_ptr + tile, beta[:, None] * (vb.to(tl.float32) - eg * ks), mask=live[:, None])
+            tl.store(rhs_ptr + hv * n * DV + tile, eg * qs, mask=live[:, None])
+
+    @triton.jit
+    def _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b, blocks, n, slots, hv, dv,
+                     DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Block b's inputs that do not wait on u: its ancestor count, first BLOCK_C ancestors and
+        their A and P columns (the scratch has BLOCK_C entries of slack past the last list, so these
+        loads need no count; entries past it are garbage until masked), T, P_bb, rhs0, exp(G) q S.
+        b may be one past the last block (all masked)."""
+        ti = tl.arange(0, BLOCK_T)
+        ci = tl.arange(0, BLOCK_C)
+        real = b < blocks
+        rows = b * BLOCK_T + ti
+        live = rows < n
+        base = BLOCK_T * (b * (b - 1) // 2)
+        count = tl.load(count_ptr + b, mask=real, other=0)
+        c = tl.load(cols_ptr + base + ci)
+        slot = ((h * slots + base + ci[:, None]) * BLOCK_T + ti[None, :])
+        a = tl.load(coef_ptr + slot)
+        p = tl.load(coef_ptr + hv * slots * BLOCK_T + slot)
+        square = ((h * blocks + b) * BLOCK_T + ti[:, None]) * BLOCK_T + ti[None, :]
+        t = tl.load(diag_ptr + square, mask=real, other=0.0)
+        p_bb = tl.load(diag_ptr + hv * blocks * BLOCK_T * BLOCK_T + square, mask=real, other=0.0)
+        tile = (h * n + rows[:, None]) * DV + dv[None, :]
+        rhs = tl.load(rhs_ptr + tile, mask=live[:, None], other=0.0)
+        o = tl.load(rhs_ptr + hv * n * DV + tile, mask=live[:, None], other=0.0)
+        return count, c, a, p, t, p_bb, rhs, o
+
+    @triton.jit
+    def _tree_solve(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, u_ptr, out_ptr, n, slots,
+                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                    BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+        """Program (value head h, value tile): u and o block by block (module docstring). Each
+        block's inputs that do not depend on u are loaded while the block before finishes, so a
+        block waits on one round trip: the gather of its ancestors' u."""
+        h = tl.program_id(0)
+        hv = tl.num_programs(0)
+        dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        ti = tl.arange(0, BLOCK_T)
+        ci = tl.arange(0, BLOCK_C)
+        blocks = (n + BLOCK_T - 1) // BLOCK_T
+        coef_p = coef_ptr + hv * slots * BLOCK_T
+        b = 0
+        count, c, a, p, t, p_bb, rhs, o = _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b, blocks,
+                                                       n, slots, hv, dv, DV, BLOCK_T, BLOCK_C)
+        while b < blocks:
+            rows = b * BLOCK_T + ti
+            live = rows < n
+            base = BLOCK_T * (b * (b - 1) // 2)
+            ok = ci < count
+            uc = tl.load(u_ptr + (h * n + c[:, None]) * DV + dv[None, :], mask=ok[:, None], other=0.0)
+            a = tl.where(ok[:, None], a, 0.0)
+            p = tl.where(ok[:, None], p, 0.0)
+            rhs -= tl.dot(tl.trans(a), uc, input_precision=PRECISION)
+            o += tl.dot(tl.trans(p), uc, input_precision=PRECISION)
+            j0 = BLOCK_C
+            while j0 < count:  # ancestors past the first BLOCK_C (large trees)
+                ok = j0 + ci < count
+                cj = tl.load(cols_ptr + base + j0 + ci, mask=ok, other=0)
+                slot = (h * slots + base + j0 + ci[:, None]) * BLOCK_T + ti[None, :]
+                aj = tl.load(coef_ptr + slot, mask=ok[:, None], other=0.0)
+                pj = tl.load(coef_p + slot, mask=ok[:, None], other=0.0)
+                uj = tl.load(u_ptr + (h * n + cj[:, None]) * DV + dv[None, :], mask=ok[:, None], other=0.0)
+                rhs -= tl.dot(tl.trans(aj), uj, input_precision=PRECISION)
+                o += tl.dot(tl.trans(pj), uj, input_precision=PRECISION)
+                j0 += BLOCK_C
+            u = tl.dot(t, rhs, input_precision=PRECISION)
+            tl.store(u_ptr + (h * n + rows[:, None]) * DV + dv[None, :], u, mask=live[:, None])
+            o += tl.dot(p_bb, u, input_precision=PRECISION)
+            tl.store(out_ptr + (rows[:, None] * hv + h) * DV + dv[None, :], o, mask=live[:, None])
+            b += 1
+            count, c, a, p, t, p_bb, rhs, o = _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b,
+                                                           blocks, n, slots, hv, dv, DV, BLOCK_T, BLOCK_C)
+            tl.debug_barrier()  # u is read by other threads for later blocks
+
+    @triton.jit
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, length_ptr, length_value, t_len,
+                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h,
+                          GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                          LENGTH_ON_DEVICE: tl.constexpr, WRITE_STATE: tl.constexpr):
+        """Program (value head h, value tile): the state tile through t_len tokens, then written
+        back (WRITE_STATE)."""
+        h = tl.program_id(0)
+        hk = h // GROUP
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        at = state_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
+        s = tl.load(at)  # [DK, BLOCK_V]
+        if LENGTH_ON_DEVICE:
+            length = tl.load(length_ptr).to(tl.int32)
+        else:
+            length = length_value
+        i = 0
+        while i < t_len:
+            live = i < length  # rows past it: decay 1, write 0 (the state stays bit for bit)
+            gi = tl.where(live, tl.load(g_ptr + i * sg_n + h * sg_h), 0.0)
+            bi = tl.where(live, tl.load(beta_ptr + i * sb_n + h * sb_h), 0.0)
+            ki = tl.load(k_ptr + i * sk_n + hk * sk_h + dk).to(tl.float32)
+            qi = tl.load(q_ptr + i * sq_n + hk * sq_h + dk).to(tl.float32)
+            vi = tl.load(v_ptr + i * sv_n + h * sv_h + dv).to(tl.float32)
+            s = s * tl.exp(gi)
+            delta = bi * (vi - tl.sum(s * ki[:, None], 0))
+            s = s + ki[:, None] * delta[None, :]
+            o = tl.sum(s * qi[:, None], 0)
+            tl.store(out_ptr + (i * tl.num_programs(0) + h) * DV + dv, o)
+            i += 1
+        if WRITE_STATE:
+            tl.store(at, s)
