@@ -17,7 +17,7 @@ from tiny_models import make_drafter, make_hybrid_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-BUDGETS = ["ar", "chain", 4, 16, 64, 256]
+BUDGETS = ["ar", "chain", 4, 16, 64]
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,13 @@ def test_graphs_greedy_equals_transformers(pair):
     llm = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=1024)
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
-        prompt = torch.randint(0, 500, (int(torch.randint(5, 120, (1,), generator=gen)),), generator=gen).tolist()
+        prompt = torch.randint(0, 500, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                    pad_token_id=0)[0, len(prompt):].tolist()
         for budget in BUDGETS:
-            out = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True), budget)
+            out = llm.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True), budget)
             assert out.token_ids == expected, (budget, prompt[:8])
     assert llm.engine.front_graphs and llm.engine.prefill_graphs
 
@@ -55,8 +55,8 @@ def test_graphs_equal_eager(pair, dtype):
         if dtype == "bfloat16" else {}
     eager = LLM(target, draft, device="cuda", dtype=dtype, use_graphs=False, max_model_len=1024, **same_kernels)
     prompt = list(range(10, 90))
-    for params in (SamplingParams(max_tokens=96, ignore_eos=True),
-                   SamplingParams(max_tokens=64, temperature=1.0, seed=7, ignore_eos=True)):
+    for params in (SamplingParams(max_tokens=64, ignore_eos=True),
+                   SamplingParams(max_tokens=48, temperature=1.0, seed=7, ignore_eos=True)):
         for budget in BUDGETS:
             a, b = graphs.generate(prompt, params, budget), eager.generate(prompt, params, budget)
             assert a.token_ids == b.token_ids, (dtype, budget, params.temperature)
