@@ -26,25 +26,23 @@ class RecurrentState:
 
 
 class RecurrentScratch:
-    """What a tree verify stashes per node for the commit to replay the accepted path: each layer's
-    conv inputs `mixed` [L, N, conv_dim] and decay / write-strength projections `a`, `b` [L, N, Hv]
-    (a few KiB per node and layer, against 4 * Hv * Dk * Dv bytes for a state per node)."""
+    """What a round's verify stashes per node and layer for the commit to fold the accepted path
+    into the state (`gated_deltanet.fold_path`) and to move the conv windows: the conv inputs
+    `mixed` [L, N, conv_dim] (model dtype), the normalised keys `k` [L, N, Hk, Dk], the delta
+    rule's new values `u` [L, Hv, N, Dv] and the path-summed log-decays `G` [L, N, Hv] (float32).
+    About 4 (Hk Dk + Hv Dv) + 2 conv_dim bytes per node and layer, against 4 Hv Dk Dv for a state."""
 
-    def __init__(self, layers: int, nodes: int, conv_dim: int, value_heads: int, device, dtype):
+    def __init__(self, layers: int, nodes: int, conv_dim: int, key_heads: int, key_dim: int, value_heads: int,
+                 value_dim: int, device, dtype):
+        self.nodes = nodes
         self.mixed = torch.zeros(layers, nodes, conv_dim, dtype=dtype, device=device)
-        self.a = torch.zeros(layers, nodes, value_heads, dtype=dtype, device=device)
-        self.b = torch.zeros(layers, nodes, value_heads, dtype=dtype, device=device)
+        self.k = torch.zeros(layers, nodes, key_heads, key_dim, dtype=torch.float32, device=device)
+        self.u = torch.zeros(layers, value_heads, nodes, value_dim, dtype=torch.float32, device=device)
+        self.G = torch.zeros(layers, nodes, value_heads, dtype=torch.float32, device=device)
 
-    def store(self, layer: int, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        n = mixed.shape[0]
-        self.mixed[layer, :n].copy_(mixed)
-        self.a[layer, :n].copy_(a)
-        self.b[layer, :n].copy_(b)
-
-    def rows(self, layer: int, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stashed (mixed, a, b) of nodes `order` [M], in that order."""
-        return (self.mixed[layer].index_select(0, order), self.a[layer].index_select(0, order),
-                self.b[layer].index_select(0, order))
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.mixed, self.k, self.u, self.G))
 
 
 class HybridCache:

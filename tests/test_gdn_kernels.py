@@ -279,3 +279,59 @@ def test_cuda_graph_replay():
     o64, s64 = loop_oracle(*fresh_loop[:5], fresh_loop[5], 12)
     assert_matches(loop_out, o64)
     assert_matches(state, s64)
+
+
+@pytest.mark.parametrize("n,seed", [(1, 30), (5, 31), (40, 32)])
+def test_tree_kernel_returns_the_new_values(n, seed):
+    """`u_out` gets the reference's u (what the commit folds), contiguous or a strided view."""
+    q, k, v, g, beta, state = inputs(n, 2, 4, 16, 32, seed)
+    visible = tree_mask(n, seed) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=DEVICE)
+    expected = torch.zeros(4, n, 32, device=DEVICE)
+    ref.tree_gated_delta(q, k, v, g, beta, visible, state, u_out=expected)
+    direct = torch.zeros(4, n, 32, device=DEVICE)
+    tree_gated_delta(q, k, v, g, beta, visible, state, u_out=direct)
+    torch.testing.assert_close(direct, expected, atol=2e-5, rtol=2e-5)
+    wide = torch.zeros(4, n + 3, 32, device=DEVICE)  # a view into a larger stash: not contiguous
+    tree_gated_delta(q, k, v, g, beta, visible, state, u_out=wide[:, :n])
+    torch.testing.assert_close(wide[:, :n], expected, atol=2e-5, rtol=2e-5)
+    assert torch.count_nonzero(wide[:, n:]) == 0
+
+
+@pytest.mark.parametrize("length", [1, 3, 6])
+def test_fold_equals_the_token_loop_along_the_path(length):
+    """Folding a verified tree's stash along one root path (kernel and reference) gives the state
+    the token loop reaches along that path, for every layer at once; rows past `length` are
+    ignored whatever they hold."""
+    from ddtree.kernels.gdn_tree import fold_path
+
+    n, hk, hv, dk, dv, layers = 24, 2, 4, 16, 32, 2
+    gen = torch.Generator().manual_seed(40 + length)
+    logp = torch.log_softmax(5 * torch.randn(7, 30, generator=gen), dim=-1)
+    tree = build_tree(logp, torch.tensor(1), n - 1)
+    visible = tree.visible.to(DEVICE)
+    deepest = int(torch.argmax(tree.depths))
+    path = torch.nonzero(tree.visible[deepest]).flatten().tolist()  # root first, depth order
+    assert len(path) >= length
+    order = torch.tensor(path[:length] + [deepest - 1, 0, 5, 7, 2, 3][: 6 - length] + [n - 1] * 3,
+                         device=DEVICE)  # stale rows past length
+    states = torch.zeros(layers, hv, dk, dv, device=DEVICE)
+    expected = torch.zeros_like(states)
+    k_stash = torch.zeros(layers, n, hk, dk, device=DEVICE)
+    u_stash = torch.zeros(layers, hv, n, dv, device=DEVICE)
+    g_stash = torch.zeros(layers, n, hv, device=DEVICE)
+    for layer in range(layers):
+        q, k, v, g, beta, state = inputs(n, hk, hv, dk, dv, 50 + layer)
+        states[layer] = state
+        ref.tree_gated_delta(q, k, v, g, beta, visible, state, u_out=u_stash[layer])
+        k_stash[layer], g_stash[layer] = k, ref.path_decay(g, visible)
+        loop_state = state.clone()
+        rows = torch.tensor(path[:length], device=DEVICE)
+        ref.recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], loop_state)
+        expected[layer] = loop_state
+    length_t = torch.tensor(length, device=DEVICE)
+    folded = states.clone()
+    ref.fold_path(folded, k_stash, u_stash, g_stash, order, length_t)
+    torch.testing.assert_close(folded, expected, atol=2e-5, rtol=2e-5)
+    kernel = states.clone()
+    fold_path(kernel, k_stash, u_stash, g_stash, order, length_t)
+    torch.testing.assert_close(kernel, expected, atol=2e-5, rtol=2e-5)

@@ -138,17 +138,19 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     visible: torch.Tensor, state: torch.Tensor, config: TreeConfig | None = None) -> torch.Tensor:
+                     visible: torch.Tensor, state: torch.Tensor, config: TreeConfig | None = None,
+                     u_out: torch.Tensor | None = None) -> torch.Tensor:
     """Every node of a tree from `state` (read only). q, k [N, Hk, Dk] (L2-normalised, q scaled);
     v [N, Hv, Dv]; g, beta [N, Hv]; visible [N, N] bool, the ancestor-or-self mask, nodes in
     topological order; state [Hv, Dk, Dv] float32. -> o [N, Hv, Dv] float32.
 
     Scratch (torch allocations, freed on return): the coefficients over the ancestor lists, sized
     for the worst case (every earlier node an ancestor), about 4 Hv N^2 bytes (13 MB at N = 257,
-    200 MB at 1025 with Hv 48), plus 12 Hv N Dv bytes."""
+    200 MB at 1025 with Hv 48), plus 12 Hv N Dv bytes. u_out [Hv, N, Dv] float32, if given,
+    receives each node's new value u (the solve's result, kept for `fold_path`)."""
     n, hk, dk = k.shape
-    if n == 1:  # one node: one token of the loop, the state left as it is
-        return _token_loop(q, k, v, g, beta, state, None, RECURRENT_DEFAULT, write_state=False)
+    if n == 1:  # one node: one token of the loop, the state left as it is; its delta is u
+        return _token_loop(q, k, v, g, beta, state, None, RECURRENT_DEFAULT, write_state=False, delta_out=u_out)
     config = config or tree_config(n)
     hv, dv = v.shape[1], v.shape[2]
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -165,7 +167,8 @@ def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     coef = torch.empty(2, hv, slots, bt, **f32)  # A and P over each block's ancestor list, [slot, row]
     diag = torch.empty(2, hv, blocks, bt, bt, **f32)  # T = (I + A_bb)^-1 and P_bb
     rhs = torch.empty(2, hv, n, dv, **f32)  # beta (v - exp(G) k S) and exp(G) q S
-    u = torch.empty(hv, n, dv, **f32)
+    direct = u_out is not None and u_out.is_contiguous()
+    u = u_out if direct else torch.empty(hv, n, dv, **f32)
     mask = visible.contiguous().view(torch.uint8)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
@@ -176,6 +179,8 @@ def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         PRECISION=config.precision, **meta)
     _tree_solve[(hv, dv // block_v)](cols, counts, coef, diag, rhs, u, out, n, slots, BLOCK_V=block_v,
                                      PRECISION=config.solve_precision, **meta)
+    if u_out is not None and not direct:
+        u_out.copy_(u)
     return out
 
 
@@ -188,7 +193,9 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return _token_loop(q, k, v, g, beta, state, length, config or RECURRENT_DEFAULT, write_state=True)
 
 
-def _token_loop(q, k, v, g, beta, state, length, config: RecurrentConfig, write_state: bool) -> torch.Tensor:
+def _token_loop(q, k, v, g, beta, state, length, config: RecurrentConfig, write_state: bool,
+                delta_out: torch.Tensor | None = None) -> torch.Tensor:
+    """delta_out [Hv, 1, Dv] (one token only): receives beta (v - (exp(g) S)^T k), the token's u."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -198,13 +205,42 @@ def _token_loop(q, k, v, g, beta, state, length, config: RecurrentConfig, write_
     on_device = isinstance(length, torch.Tensor)
     length_ptr = length.reshape(1) if on_device else out  # unused unless on_device
     length_value = 0 if on_device else (t if length is None else int(length))
+    store_delta = delta_out is not None
+    delta = delta_out if store_delta and delta_out.is_contiguous() else (
+        torch.empty(hv, t, dv, dtype=torch.float32, device=q.device) if store_delta else out)
     _recurrent_kernel[(hv, dv // block_v)](
-        q, k, v, g, beta, state, out, length_ptr, length_value, t,
+        q, k, v, g, beta, state, out, delta, length_ptr, length_value, t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         GROUP=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v, LENGTH_ON_DEVICE=on_device, WRITE_STATE=write_state,
-        num_warps=config.num_warps)
+        STORE_DELTA=store_delta, num_warps=config.num_warps)
+    if store_delta and delta is not delta_out:
+        delta_out.copy_(delta)
     return out
+
+
+def fold_supported(state: torch.Tensor) -> bool:
+    """Whether `fold_path` runs as a kernel: Triton, a GPU (or the interpreter), a contiguous
+    float32 state [L, Hv, Dk, Dv] with power-of-two head dims in [16, 256]."""
+    return (triton is not None and (state.is_cuda or _INTERPRETED) and state.dtype == torch.float32
+            and state.dim() == 4 and state.is_contiguous() and _pow2_dim(state.shape[2]) and _pow2_dim(state.shape[3]))
+
+
+def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, order: torch.Tensor,
+              length: torch.Tensor, config: RecurrentConfig | None = None) -> None:
+    """`models.gated_deltanet.fold_path` in one launch for every layer: state [L, Hv, Dk, Dv]
+    (float32, in place) advanced by the path `order` [M] (root first; the first `length` real,
+    a 0-d device tensor) from the verify's stash k [L, N, Hk, Dk], u [L, Hv, N, Dv], G [L, N, Hv].
+    One program per (layer, value head, value tile) holds its state tile in registers and adds
+    the path's M rank-one terms."""
+    config = config or RECURRENT_DEFAULT
+    layers, hv, dk, dv = state.shape
+    block_v = min(config.block_v, dv)
+    k, u, G = k.float(), u.float(), G.float()
+    _fold_kernel[(layers, hv, dv // block_v)](
+        state, k, u, G, order, length.reshape(1), order.shape[0],
+        k.stride(0), k.stride(1), k.stride(2), u.stride(0), u.stride(1), u.stride(2), G.stride(0), G.stride(1),
+        GROUP=hv // k.shape[2], DK=dk, DV=dv, BLOCK_V=block_v, num_warps=config.num_warps)
 
 
 if triton is not None:
@@ -423,10 +459,10 @@ if triton is not None:
             tl.debug_barrier()  # u is read by other threads for later blocks
 
     @triton.jit
-    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, length_ptr, length_value, t_len,
-                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h,
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, delta_ptr, length_ptr,
+                          length_value, t_len, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h,
                           GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                          LENGTH_ON_DEVICE: tl.constexpr, WRITE_STATE: tl.constexpr):
+                          LENGTH_ON_DEVICE: tl.constexpr, WRITE_STATE: tl.constexpr, STORE_DELTA: tl.constexpr):
         """Program (value head h, value tile): the state tile through t_len tokens, then written
         back (WRITE_STATE)."""
         h = tl.program_id(0)
@@ -450,8 +486,36 @@ if triton is not None:
             s = s * tl.exp(gi)
             delta = bi * (vi - tl.sum(s * ki[:, None], 0))
             s = s + ki[:, None] * delta[None, :]
+            if STORE_DELTA:  # laid out [Hv, T, Dv], as the tree's u
+                tl.store(delta_ptr + (h * t_len + i) * DV + dv, delta)
             o = tl.sum(s * qi[:, None], 0)
             tl.store(out_ptr + (i * tl.num_programs(0) + h) * DV + dv, o)
             i += 1
         if WRITE_STATE:
             tl.store(at, s)
+
+    @triton.jit
+    def _fold_kernel(state_ptr, k_ptr, u_ptr, g_ptr, order_ptr, length_ptr, m,
+                     sk_l, sk_n, sk_h, su_l, su_h, su_n, sg_l, sg_n,
+                     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (layer l, value head h, value tile): S <- exp(G_last) S + sum_j exp(G_last - G_j)
+        k_j u_j^T over the path's first `length` nodes."""
+        l = tl.program_id(0)
+        h = tl.program_id(1)
+        hk = h // GROUP
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        length = tl.load(length_ptr).to(tl.int32)
+        last = tl.load(order_ptr + length - 1)
+        g_last = tl.load(g_ptr + l * sg_l + last * sg_n + h)
+        at = state_ptr + ((l * tl.num_programs(1) + h) * DK + dk[:, None]) * DV + dv[None, :]
+        s = tl.load(at) * tl.exp(g_last)  # [DK, BLOCK_V]
+        j = 0
+        while j < m:
+            node = tl.load(order_ptr + j)
+            weight = tl.where(j < length, tl.exp(g_last - tl.load(g_ptr + l * sg_l + node * sg_n + h)), 0.0)
+            kj = tl.load(k_ptr + l * sk_l + node * sk_n + hk * sk_h + dk)
+            uj = tl.load(u_ptr + l * su_l + h * su_h + node * su_n + dv)
+            s += (weight * kj)[:, None] * uj[None, :]
+            j += 1
+        tl.store(at, s)

@@ -61,13 +61,45 @@ def _block(q, k, v, g, beta, visible, state):
     return o, u, G
 
 
-def tree_gated_delta(q, k, v, g, beta, visible: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """Every node of a tree from the committed state; writes nothing. visible [N, N] bool is the
+def tree_gated_delta(q, k, v, g, beta, visible: torch.Tensor, state: torch.Tensor,
+                     u_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every node of a tree from the committed state; writes no state. visible [N, N] bool is the
     ancestor-or-self mask with nodes in topological order (parents first: lower-triangular).
+    u_out [Hv, N, Dv] float32, if given, receives each node's new value u (what `fold_path` needs).
     -> o [N, Hv, Dv] float32."""
     qh, kh, vh, gh, bh = _heads_first(q, k, v, g, beta)
-    o, _, _ = _block(qh, kh, vh, gh, bh, visible, state.float())
+    o, u, _ = _block(qh, kh, vh, gh, bh, visible, state.float())
+    if u_out is not None:
+        u_out.copy_(u)
     return o.transpose(0, 1)
+
+
+def path_decay(g: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """g [N, Hv] -> G [N, Hv] float32: each node's log-decay summed along its root path."""
+    return visible.float() @ g.float()
+
+
+def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, order: torch.Tensor,
+              length: torch.Tensor) -> None:
+    """Advance the states of every layer by one root path of a verified tree, in place:
+
+        S <- exp(G_last) S + sum_j exp(G_last - G_j) k_j u_j^T   over the path's nodes j
+
+    which is the token loop run along the path (u_j, the delta rule's new value, depends only on
+    j's ancestors, so the tree's u is the path's). state [L, Hv, Dk, Dv] float32; per layer and
+    node the stash of the verify: k [L, N, Hk, Dk] (normalised), u [L, Hv, N, Dv], G [L, N, Hv];
+    order [M]: the path's nodes, root first, of which the first `length` ([] long) are real."""
+    layers, hv = state.shape[0], state.shape[1]
+    m = order.shape[0]
+    live = torch.arange(m, device=order.device) < length  # [M]
+    keys = k.index_select(1, order).float().repeat_interleave(hv // k.shape[2], dim=2)  # [L, M, Hv, Dk]
+    values = u.index_select(2, order)  # [L, Hv, M, Dv]
+    decay = G.index_select(1, order)  # [L, M, Hv]
+    last = decay.gather(1, (length.reshape(1, 1, 1) - 1).expand(layers, 1, hv))  # [L, 1, Hv]
+    # Rows past the path are stale nodes whose decay may exceed the last node's: mask before exp.
+    weight = (last - decay).masked_fill(~live[None, :, None], float("-inf")).exp()
+    state.mul_(last[:, 0, :, None, None].exp())
+    state.add_(torch.einsum("lmhd,lmh,lhme->lhde", keys, weight, values))
 
 
 def _mask_tail(g, beta, length):

@@ -215,23 +215,25 @@ class GatedDeltaNet(nn.Module):
         if meta.parents is None:
             o = self._advance(mixed, a, b, state, window, meta.length, meta.causal, ops)
         else:
-            meta.scratch.store(self.linear_index, mixed, a, b)
-            if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
-                meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
-            conv_in = torch.cat([window, mixed], dim=0)[meta._shared["conv_ancestors"]]  # [N, K, C]
-            q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
-            if _use_kernels(q, k, v, state):
-                o = gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
-            else:
-                o = gdn.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state)
+            o = self._verify(mixed, a, b, meta, state, window, ops)
         return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
 
-    def commit(self, cache: RecurrentState, scratch: RecurrentScratch, order: torch.Tensor, length,
-               ops: HybridOps) -> None:
-        """Advance the state and window by the accepted path: the stashed nodes `order` [M] (the
-        path first, root included), of which the first `length` are real."""
-        mixed, a, b = scratch.rows(self.linear_index, order)
-        self._advance(mixed, a, b, cache.state[self.linear_index], cache.conv[self.linear_index], length, False, ops)
+    def _verify(self, mixed, a, b, meta: AttentionMeta, state, window, ops: HybridOps) -> torch.Tensor:
+        """A round's tree: each node convolved over its own ancestors (then the committed window)
+        and run through the recurrence along its root path; the state is only read. What the
+        commit needs (conv inputs, keys, new values, path decays) goes to `meta.scratch`."""
+        n, index, scratch = mixed.shape[0], self.linear_index, meta.scratch
+        if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
+            meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
+        conv_in = torch.cat([window, mixed], dim=0)[meta._shared["conv_ancestors"]]  # [N, K, C]
+        q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
+        scratch.mixed[index, :n].copy_(mixed)
+        scratch.k[index, :n].copy_(k)
+        scratch.G[index, :n] = gdn.path_decay(g, meta.block_mask)
+        u_out = scratch.u[index, :, :n]
+        if _use_kernels(q, k, v, state):
+            return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out)
+        return gdn.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out)
 
 
 class HybridLayer(nn.Module):
@@ -300,17 +302,26 @@ class HybridTarget(nn.Module):
 
     def new_scratch(self, nodes: int, device, dtype) -> RecurrentScratch:
         g = self.config.gdn
-        return RecurrentScratch(len(self.linear_layers), nodes, g.conv_dim, g.num_value_heads, device, dtype)
+        return RecurrentScratch(len(self.linear_layers), nodes, g.conv_dim, g.num_key_heads, g.key_head_dim,
+                                g.num_value_heads, g.value_head_dim, device, dtype)
 
     def commit(self, cache: HybridCache, start, order: torch.Tensor, length, scratch: RecurrentScratch) -> None:
         """After a round's walk: move the accepted nodes' KV entries into place (`order` [M]: the
-        accepted path first) and advance every recurrent layer by the path's `length` nodes."""
+        accepted path first, root included) and advance every recurrent layer by the path's
+        `length` nodes: its states by folding the verify's stash (one kernel for all layers on
+        CUDA), its conv windows to the path's last K - 1 inputs."""
         cache.kv.compact(start, order)
-        # A real walk accepts at most len(order) nodes; a graph's warm-up runs the back half on a
+        # A real walk accepts 1 .. len(order) nodes; a graph's warm-up runs the back half on a
         # tree that was never built, whose walk can claim more.
-        length = torch.clamp(length, max=order.shape[0])
-        for layer in self.linear_layers:
-            layer.commit(cache.recurrent, scratch, order, length, self.ops)
+        length = torch.clamp(length, 1, order.shape[0])
+        rec = cache.recurrent
+        if rec.state.is_cuda and gdn_kernels is not None and KERNELS_ENABLED and gdn_kernels.fold_supported(rec.state):
+            gdn_kernels.fold_path(rec.state, scratch.k, scratch.u, scratch.G, order, length)
+        else:
+            gdn.fold_path(rec.state, scratch.k, scratch.u, scratch.G, order, length)
+        k1 = rec.conv.shape[1]
+        padded = torch.cat([rec.conv, scratch.mixed.index_select(1, order)], dim=1)  # [L, K - 1 + M, C]
+        rec.conv.copy_(padded.index_select(1, torch.arange(k1, device=order.device) + length))
 
     def forward(self, tokens, positions, meta: AttentionMeta, cache: HybridCache,
                 feature_layers: list[int] | None = None, logit_rows=None):
