@@ -179,3 +179,16 @@ def test_every_limit_is_a_flag_and_an_environment_variable(monkeypatch):
     assert limits_from(args) == ServerLimits(max_tree_budget=256, read_timeout=2.5, max_queued_requests=3)
     with pytest.raises(DDTreeError, match="--max-json-depth"):
         limits_from(build_parser().parse_args(["serve", "--max-json-depth", "0"]))
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--tree-budget", "600"], "--max-tree-budget 512"),
+                                            (["--api-key", " "], "--api-key"),
+                                            (["--read-timeout", "0"], "--read-timeout"),
+                                            (["--host", "a" * 300], "cannot listen")])
+def test_bad_serve_settings_fail_before_anything_starts(argv, fragment):
+    from ddtree.cli import build_parser
+    from ddtree.config import DDTreeError
+    from ddtree.server.main import cmd_serve
+
+    with pytest.raises(DDTreeError, match=fragment):
+        cmd_serve(build_parser().parse_args(["serve", "--device", "cpu", *argv]))

@@ -15,6 +15,8 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
     """Bound (not yet listening) sockets for every address `host` resolves to, as uvicorn would
     listen on them; raises DDTreeError naming the address and the reason."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not 0 <= port <= 65535:  # the OS would silently take the port modulo 65536
+        raise DDTreeError(f"cannot listen on {where}: a port is 0..65535")
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError, OverflowError, ValueError) as exc:

@@ -193,8 +193,13 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+MAX_PARAM_CHARS = 100  # a field path longer than this (a megabyte-long unknown key) is cut, not echoed
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    if param is not None and len(param) > MAX_PARAM_CHARS:
+        param = param[: MAX_PARAM_CHARS - 3] + "..."
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -223,9 +228,10 @@ def validation_error_body(errors: list[dict]) -> dict:
         if kind == "missing":
             return error_body("request body is required: a JSON object", code="invalid_value")
         return error_body("request body must be a JSON object", code="invalid_value")
+    named = shown(param)[1:-1]  # cut, if it is a megabyte-long key
     if kind == "extra_forbidden":
-        return error_body(f"unsupported field {param!r}", param=param, code="unsupported_parameter")
+        return error_body(f"unsupported field '{named}'", param=param, code="unsupported_parameter")
     if kind == "missing":
-        return error_body(f"{param} is required", param=param, code="missing_required_parameter")
-    return error_body(f"{param}: {first.get('msg', 'invalid value')}, got {shown(first.get('input'))}", param=param,
+        return error_body(f"{named} is required", param=param, code="missing_required_parameter")
+    return error_body(f"{named}: {first.get('msg', 'invalid value')}, got {shown(first.get('input'))}", param=param,
                       code="invalid_value")
