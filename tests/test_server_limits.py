@@ -192,3 +192,26 @@ def test_bad_serve_settings_fail_before_anything_starts(argv, fragment):
 
     with pytest.raises(DDTreeError, match=fragment):
         cmd_serve(build_parser().parse_args(["serve", "--device", "cpu", *argv]))
+
+
+def test_long_chats_are_validated_a_slice_at_a_time(llm):
+    """Errors in a long `messages` list name the message, as they would validated whole."""
+    limits = ServerLimits(max_json_values=100_000)
+    messages = [{"role": "user", "content": "x"}] * 1000
+    with TestClient(create_app(llm, served_model_name="m", limits=limits)) as client:
+        bad = [*messages[:700], {"role": "wizard", "content": "x"}, *messages[701:]]
+        refused = client.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.700.role"
+        extra = [*messages[:300], {"role": "user", "content": "x", "k": 1}]
+        refused = client.post("/v1/chat/completions", json={"messages": extra, "max_tokens": 1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.300.k"
+        # 1000 messages of "x" do not fit in 96 tokens: refused, but only after validating them all
+        over = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "prompt"
+    from ddtree.server.app import _validated_messages
+    from ddtree.server.protocol import ChatCompletionRequest
+
+    varied = [{"role": ("user", "assistant", "system")[i % 3], "content": f"m{i}"} for i in range(600)]
+    sliced = asyncio.run(_validated_messages(varied))
+    assert ChatCompletionRequest.model_validate({"messages": sliced}) == ChatCompletionRequest.model_validate(
+        {"messages": varied})

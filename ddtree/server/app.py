@@ -23,7 +23,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +35,7 @@ from ddtree.server.metrics import ServerMetrics
 from ddtree.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, internal_error_body
 from ddtree.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ErrorResponse,
     SamplingFields,
@@ -48,6 +49,8 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 PREPARE_THREADS = 2  # requests tokenized at once: tokenizing releases the GIL, but each takes a core
 RETRY_AFTER_LOADING_S = 5
 RETRY_AFTER_QUEUE_FULL_S = 1
+MESSAGES_PER_TURN = 256  # chat messages validated between two turns of the event loop
+_MESSAGE_LIST = TypeAdapter(list[ChatMessage])
 ERROR_RESPONSES = {400: {"model": ErrorResponse, "description": "invalid request"},
                    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
                    404: {"model": ErrorResponse, "description": "unknown model"},
@@ -239,10 +242,29 @@ async def read_request(request: Request, model: type[SamplingFields], limits: Js
         data = await parse_json_body(await request.body(), limits)
     except JsonBodyError as exc:
         raise RequestRejected(400, error_body(str(exc), param=exc.param, code=exc.code)) from None
+    if model is ChatCompletionRequest and isinstance(data, dict) and isinstance(data.get("messages"), list):
+        data = {**data, "messages": await _validated_messages(data["messages"])}
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestRejected(400, validation_error_body(exc.errors(include_url=False))) from None
+
+
+async def _validated_messages(messages: list) -> list:
+    """The messages as ChatMessage, validated a slice at a time: pydantic holds the loop for the whole
+    of what it is given (0.1 s for 20,000 messages). The request's own validation then takes them as
+    they are."""
+    if len(messages) <= MESSAGES_PER_TURN:
+        return messages
+    checked: list[ChatMessage] = []
+    for start in range(0, len(messages), MESSAGES_PER_TURN):
+        try:
+            checked += _MESSAGE_LIST.validate_python(messages[start : start + MESSAGES_PER_TURN])
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("messages", start + e["loc"][0], *e["loc"][1:])} for e in exc.errors(include_url=False)]
+            raise RequestRejected(400, validation_error_body(errors)) from None
+        await asyncio.sleep(0)
+    return checked
 
 
 def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, limits: ServerLimits) -> None:
