@@ -4,6 +4,7 @@ known code, and greedy outputs identical before and after. While 8 MB bodies of 
 /health keeps answering within 100 ms."""
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import threading
@@ -16,6 +17,7 @@ from hostile_cases import C, CHAT, KNOWN_CODES, all_cases, unknown_keys_body
 from server_process import LiveServer
 
 CASES = all_cases()
+STATUSES: collections.Counter = collections.Counter()  # of the hostile requests answered so far
 MAX_MODEL_LEN = 128
 HEALTH_LIMIT_S = 0.1
 # Greedy requests whose outputs must not change across the suite: both endpoints, several budgets, streamed.
@@ -90,7 +92,9 @@ def check(case, response: httpx.Response) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_hostile_request(http, server, greedy_before, case):
-    check(case, send(http, server, case))
+    response = send(http, server, case)
+    STATUSES[response.status_code] += 1
+    check(case, response)
 
 
 def test_health_answers_within_100_ms_while_8_mb_bodies_of_unknown_keys_arrive(server, greedy_before):
@@ -144,5 +148,6 @@ def test_health_answers_within_100_ms_while_8_mb_bodies_of_unknown_keys_arrive(s
 
 
 def test_greedy_outputs_identical_after_the_suite(http, server, greedy_before):
+    print(f"{sum(STATUSES.values())} hostile requests answered, by status: {dict(sorted(STATUSES.items()))}")
     assert [greedy_ids(http, server, path, body) for path, body in GREEDY] == greedy_before
     assert http.get("/health").json()["status"] == "ok"

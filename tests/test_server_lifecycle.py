@@ -109,6 +109,9 @@ def test_engine_failure_is_503_on_health_before_exit_1(demo_pair):
                 pass  # the port closes as the server exits
             time.sleep(0.1)
         exited_after = time.monotonic() - failed_at
+        print(f"engine failure: /health answered {[status for status, _ in health].count(503)} times 503 "
+              f"'{health[0][1]['status'] if health else None}', then exit {server.proc.returncode} "
+              f"{exited_after:.1f} s after the failed request (--failure-exit-delay {delay:g})")
         assert server.proc.returncode == 1
         request_id = failed.headers["x-request-id"]
         assert failed.status_code == 500 and request_id in failed.json()["error"]["message"]
