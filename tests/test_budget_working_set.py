@@ -56,10 +56,8 @@ def test_unbounded_working_set_keeps_everything(demo_pair):
     assert {2, 4, 6} <= set(unbounded.engine.buffers)
 
 
-def test_compiled_for_first_sizes_never_passes_the_recompile_limit(monkeypatch):
+def test_compiled_for_first_sizes_never_passes_the_recompile_limit():
     """dynamo with fullgraph=True fails past its recompile limit; the bound keeps further sizes eager."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
-    torch._dynamo.reset()
 
     def double_sum(x):
         return (x * 2).sum()
@@ -67,15 +65,17 @@ def test_compiled_for_first_sizes_never_passes_the_recompile_limit(monkeypatch):
     def eager_backend(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend="eager")
 
-    unbounded = eager_backend(double_sum)
-    with pytest.raises(Exception, match="fullgraph|recompile"):
-        for n in range(1, 8):
-            unbounded(torch.ones(n))
-    torch._dynamo.reset()
-    bounded = CompiledForFirstSizes(double_sum, 2, lambda x: x.shape[0], compile=eager_backend)
-    assert [float(bounded(torch.ones(n))) for n in range(1, 12)] == [2.0 * n for n in range(1, 12)]
-    assert bounded.sizes == {1, 2}
-    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        torch._dynamo.reset()
+        unbounded = eager_backend(double_sum)
+        with pytest.raises(Exception, match="fullgraph|recompile"):
+            for n in range(1, 8):
+                unbounded(torch.ones(n))
+        torch._dynamo.reset()
+        bounded = CompiledForFirstSizes(double_sum, 2, lambda x: x.shape[0], compile=eager_backend)
+        assert [float(bounded(torch.ones(n))) for n in range(1, 12)] == [2.0 * n for n in range(1, 12)]
+        assert bounded.sizes == {1, 2}
+        torch._dynamo.reset()
 
 
 def test_prompt_that_cannot_fit_is_refused_before_tokenizing(llm, monkeypatch):
