@@ -6,6 +6,8 @@ Every user-facing value is checked here, once, and a bad one raises
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -27,13 +29,26 @@ CHAIN = "chain"
 TreeBudget = Union[str, int]  # "ar", "chain" or an int >= 1
 
 MAX_TREE_BUDGET = 4096
+_DIGITS = re.compile(r"[0-9]{1,9}")  # more digits than this are over MAX_TREE_BUDGET anyway
 GREEDY_BELOW = 1e-5
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxdict, _SHORT_REPR.maxlist, _SHORT_REPR.maxtuple = 3, 4, 6, 6
+_SHORT_REPR.maxstring, _SHORT_REPR.maxlong, _SHORT_REPR.maxother = 60, 40, 60
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value) cut to about `limit` characters, without building the whole repr of a huge input:
+    error messages never echo a megabyte back."""
+    text = _SHORT_REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
     """Normalise a tree budget given as text or number to "ar", "chain", "auto" or an int >= 1."""
     if isinstance(value, bool):
-        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {value!r}", "tree_budget")
+        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {shown(value)}", "tree_budget")
     if isinstance(value, int):
         budget = value
     elif isinstance(value, float) and value.is_integer():
@@ -42,19 +57,20 @@ def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
         text = value.strip().lower()
         if text in (AR, CHAIN) or (allow_auto and text == "auto"):
             return text
-        try:
+        # Plain ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
+        if _DIGITS.fullmatch(text):
             budget = int(text)
-        except ValueError:
+        else:
             raise DDTreeError(
-                f"tree budget must be 'ar', 'chain'{', auto' if allow_auto else ''} or an integer >= 1, got {value!r}",
+                f"tree budget must be 'ar', 'chain'{', auto' if allow_auto else ''} or an integer >= 1, got {shown(value)}",
                 "tree_budget",
-            ) from None
+            )
     else:
-        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {value!r}", "tree_budget")
+        raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {shown(value)}", "tree_budget")
     if budget < 1:
-        raise DDTreeError(f"tree budget must be >= 1 (use 'ar' for no drafting), got {budget}", "tree_budget")
+        raise DDTreeError(f"tree budget must be >= 1 (use 'ar' for no drafting), got {shown(budget)}", "tree_budget")
     if budget > MAX_TREE_BUDGET:
-        raise DDTreeError(f"tree budget must be <= {MAX_TREE_BUDGET}, got {budget}", "tree_budget")
+        raise DDTreeError(f"tree budget must be <= {MAX_TREE_BUDGET}, got {shown(budget)}", "tree_budget")
     return budget
 
 
@@ -86,25 +102,25 @@ class SamplingParams:
     def validate(self) -> None:
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise DDTreeError(f"{name} must be a finite number, got {value!r}", name)
+                raise DDTreeError(f"{name} must be a finite number, got {shown(value)}", name)
             return float(value)
 
         def integer(name: str, value: object) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise DDTreeError(f"{name} must be an integer, got {value!r}", name)
+                raise DDTreeError(f"{name} must be an integer, got {shown(value)}", name)
             return value
 
         if integer("max_tokens", self.max_tokens) < 1:
-            raise DDTreeError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+            raise DDTreeError(f"max_tokens must be >= 1, got {shown(self.max_tokens)}", "max_tokens")
         if number("temperature", self.temperature) < 0:
-            raise DDTreeError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+            raise DDTreeError(f"temperature must be >= 0, got {shown(self.temperature)}", "temperature")
         top_p = number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+            raise DDTreeError(f"top_p must be in (0, 1], got {shown(self.top_p)}", "top_p")
         if integer("top_k", self.top_k) < 0:
-            raise DDTreeError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
+            raise DDTreeError(f"top_k must be >= 0 (0 disables it), got {shown(self.top_k)}", "top_k")
         if self.seed is not None and not 0 <= integer("seed", self.seed) < 2**63:
-            raise DDTreeError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
+            raise DDTreeError(f"seed must be in [0, 2**63), got {shown(self.seed)}", "seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
@@ -114,7 +130,7 @@ class SamplingParams:
             raise DDTreeError("stop_token_ids must be a list of integers", "stop_token_ids")
         for token in self.stop_token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise DDTreeError(f"stop_token_ids must hold integers >= 0, got {token!r}", "stop_token_ids")
+                raise DDTreeError(f"stop_token_ids must hold integers >= 0, got {shown(token)}", "stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise DDTreeError("ignore_eos must be true or false", "ignore_eos")

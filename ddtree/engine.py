@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from ddtree.bounded_compile import CompiledForFirstSizes
 from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, SamplingParams, TreeBudget
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
@@ -51,6 +52,7 @@ from ddtree.tree import Tree, Walk, build_chain, build_tree, single_node, walk
 log = logging.getLogger("ddtree.engine")
 
 PREFILL_PAD_MAX = 1024  # longer prompts are prefilled eagerly at their exact length
+WALK_COMPILED_SIZES = 32  # tree sizes (budgets) whose walk is compiled; the rest run it eagerly
 
 
 def prefill_lengths(limit: int) -> list[int]:
@@ -153,8 +155,9 @@ class Engine:
                 drafter.use_compiled()
         # The walk, ~15 small operators eagerly, a few kernels compiled (one variant per budget).
         # It is the acceptance rule; tests replace it to show that a wrong rule breaks losslessness.
+        # Compiled per tree size, so only for the first few budgets (CompiledForFirstSizes says why).
         self.walk_fn: Callable[[Tree, torch.Tensor], Walk] = \
-            torch.compile(walk, dynamic=False, fullgraph=True) if compiled else walk
+            CompiledForFirstSizes(walk, WALK_COMPILED_SIZES, lambda tree, choices: tree.size) if compiled else walk
         # Graphs bake in the KV length: round it up to a bucket so one graph serves many rounds.
         self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
         self.block_size = drafter.config.block_size if drafter is not None else 0
@@ -356,6 +359,17 @@ class Engine:
             start = time.perf_counter()
             self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
             log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
+
+    def release(self, budget: TreeBudget) -> None:
+        """Free a budget's buffers, tree plan and graphs; `prepare` makes them again when the budget
+        is next used. Call between requests."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # a round a finished request left launched may still use them
+        self.buffers.pop(budget, None)
+        self.tree_plans.pop(budget, None)
+        self.back_graphs.pop(budget, None)
+        for key in [key for key in self.front_graphs if key[0] == budget]:
+            del self.front_graphs[key]
 
     def _front_kv_len(self, budget: TreeBudget, host_n: int) -> int:
         """KV slots the front reads at committed length host_n: the tree's (or block's) scratch

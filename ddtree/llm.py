@@ -14,12 +14,13 @@ from typing import Iterator
 
 import torch
 
-from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
+from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget, shown
 from ddtree.engine import Engine
 from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
+from ddtree.working_set import BudgetWorkingSet
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = REPO_MODELS / "demo-target"
@@ -85,7 +86,10 @@ class LLM:
         kv_bucket: int | None = None,
         padded_prefill: bool | None = None,
         overlap: bool = True,
+        max_cached_budgets: int | None = None,
     ):
+        """max_cached_budgets: how many tree budgets besides the default keep their buffers and
+        graphs between requests (least recently used beyond it are freed; None keeps every one)."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
         self.device = torch.device(device or default_device())
@@ -116,6 +120,7 @@ class LLM:
         self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
                              compile_layers=compile_layers, fused_tree=fused_tree,
                              padded_prefill=padded_prefill, overlap=overlap)
+        self.working_set = BudgetWorkingSet(self.engine, max_cached_budgets)
 
     # -- facts the server and benchmark report -----------------------------------------------
 
@@ -145,12 +150,30 @@ class LLM:
         return self._require_tokenizer().decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self._require_tokenizer().apply_chat_template(messages)
+        tokenizer = self._require_tokenizer()
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        return tokenizer.apply_chat_template(messages)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which no text fits in max_model_len tokens, whatever it says: every
+        token covers at most the longest vocabulary entry; doubled, for normalisers that shorten text."""
+        if self.tokenizer is None:
+            return None
+        return 2 * self.max_model_len * self.tokenizer.max_token_chars
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit before paying for its tokenization."""
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise DDTreeError(f"the prompt is {chars} characters; no text over {limit} characters fits in the "
+                              f"context limit of {self.max_model_len} tokens", param)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise DDTreeError("prompt must not be empty", "prompt")
+            self._check_prompt_chars(len(prompt), "prompt")
             ids = self.encode(prompt)
             if not ids:
                 raise DDTreeError("prompt encodes to no tokens", "prompt")
@@ -159,7 +182,7 @@ class LLM:
             raise DDTreeError("prompt must be a non-empty string or list of token ids", "prompt")
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}", "prompt")
+                raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {shown(t)}", "prompt")
         return list(prompt)
 
     def _budget(self, tree_budget: object) -> TreeBudget:
@@ -176,7 +199,7 @@ class LLM:
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise DDTreeError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({shown(params.max_tokens)}) = {shown(total)} exceeds the "
                 f"context limit of {self.max_model_len} tokens",
                 "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
             )
@@ -187,7 +210,9 @@ class LLM:
     def warmup(self, tree_budget: object = None) -> None:
         """Allocate a budget's buffers and, on CUDA, capture all of its graphs now (otherwise a
         graph is captured the first time a request reaches its KV-length bucket)."""
-        self.engine.capture_all(self._budget(tree_budget))
+        budget = self._budget(tree_budget)
+        self.working_set.use(budget, pinned=(self.default_budget,))
+        self.engine.capture_all(budget)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""
@@ -198,6 +223,7 @@ class LLM:
         out = OutputBuilder(params, self.eos_token_ids, decode)
         stats = GenerationStats(tree_budget=str(budget))
         start = time.perf_counter()
+        self.working_set.use(budget, pinned=(self.default_budget,))
         steps = self.engine.generate(prompt_ids, params, budget)
         try:
             for step in steps:

@@ -33,12 +33,14 @@ class LiveServer:
     """Starts the server, waits for /health 200; `stop()` sends SIGTERM and returns the exit code."""
 
     def __init__(self, target: Path, draft: Path, *extra: str, api_key: str | None = API_KEY,
-                 max_model_len: int = 160, name: str = "ddtree-test"):
+                 max_model_len: int = 160, name: str = "ddtree-test", launcher: tuple[str, ...] = ("-m", "ddtree.cli")):
+        """launcher: what runs `ddtree` (python's arguments before "serve"), e.g. ("-c", code) to run
+        code that patches the server before calling ddtree.cli.main(sys.argv[1:])."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = name
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--target", str(target), "--draft", str(draft),
+        cmd = [sys.executable, *launcher, "serve", "--target", str(target), "--draft", str(draft),
                "--port", str(self.port), "--max-model-len", str(max_model_len), "--device", "cpu",
                "--served-model-name", name, "--log-level", "warning", *extra]
         if api_key:
@@ -53,6 +55,13 @@ class LiveServer:
 
     def client(self, timeout: float = 120) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def rss_bytes(self) -> int:
+        """The server's resident memory now (Linux)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS in /proc/<pid>/status")
 
     def output(self) -> str:
         self.log.flush()

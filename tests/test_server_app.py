@@ -53,10 +53,14 @@ def test_engine_failure_is_a_500_then_503_and_reported(demo_pair):
     with TestClient(app, raise_server_exceptions=False) as client:
         first = client.post("/v1/completions", json=GOOD)
         assert first.status_code == 500 and first.json()["error"]["type"] == "server_error"
+        # The client gets the request id to quote, never the internal message (the log has it).
+        request_id = first.headers["x-request-id"]
+        assert request_id in first.json()["error"]["message"] and "device lost" not in first.text
+        assert first.json()["error"]["code"] == "internal_error"
         assert len(deaths) == 1 and "device lost" in str(deaths[0])
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "error"
-        assert "device lost" in health.json()["error"]
+        assert request_id in health.json()["error"] and "device lost" not in health.text
         again = client.post("/v1/completions", json={**GOOD, "stream": True})
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
 
@@ -76,7 +80,8 @@ def test_engine_failure_mid_stream_ends_with_an_error_chunk(demo_pair):
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
         assert len(chunks) == 2 and chunks[0]["choices"][0]["finish_reason"] is None  # the prefill's token
-        assert chunks[-1]["error"]["type"] == "server_error"
+        assert chunks[-1]["error"]["type"] == "server_error" and "device lost" not in response.text
+        assert response.headers["x-request-id"] in chunks[-1]["error"]["message"]
         assert client.get("/health").status_code == 503
 
 

@@ -1,9 +1,11 @@
-"""`ddtree serve` as a process: SIGTERM drains the requests in flight and queued, then exits 0; a bad
-model path is one line on stderr and exit code 2."""
+"""`ddtree serve` as a process: SIGTERM drains the requests in flight and queued, then exits 0; an
+engine failure turns /health 503 before the process exits 1; a bad model path, a port in use, a host
+that does not resolve or a bad limit is one line on stderr and exit code 2."""
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -75,3 +77,77 @@ def test_bad_tree_budget_flag_fails_before_serving():
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--tree-budget", "wide", "--port", str(free_port())]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=quiet_env())
     assert out.returncode == 2 and "tree budget" in out.stderr
+
+
+# Runs `ddtree serve` with an engine whose rounds fail, as a GPU fault would make them.
+FAILING_ENGINE = """
+import sys
+import ddtree.engine
+
+def failing_back(self, budget):
+    raise RuntimeError("device lost (injected by the test)")
+
+ddtree.engine.Engine._back = failing_back
+from ddtree.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_engine_failure_is_503_on_health_before_exit_1(demo_pair):
+    delay = 3.0
+    server = LiveServer(*demo_pair, "--failure-exit-delay", str(delay), "--log-level", "info", api_key=None,
+                        launcher=("-c", FAILING_ENGINE)).wait_ready()
+    try:
+        failed = httpx.post(server.url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8}, timeout=60)
+        failed_at = time.monotonic()
+        health = []
+        while server.proc.poll() is None:
+            try:
+                response = httpx.get(server.url + "/health", timeout=5)
+                health.append((response.status_code, response.json()))
+            except httpx.TransportError:
+                pass  # the port closes as the server exits
+            time.sleep(0.1)
+        exited_after = time.monotonic() - failed_at
+        print(f"engine failure: /health answered {[status for status, _ in health].count(503)} times 503 "
+              f"'{health[0][1]['status'] if health else None}', then exit {server.proc.returncode} "
+              f"{exited_after:.1f} s after the failed request (--failure-exit-delay {delay:g})")
+        assert server.proc.returncode == 1
+        request_id = failed.headers["x-request-id"]
+        assert failed.status_code == 500 and request_id in failed.json()["error"]["message"]
+        assert "device lost" not in failed.text  # the client gets the id, the log gets the detail
+        assert health and all(status == 503 and body["status"] == "error" for status, body in health)
+        assert request_id in health[0][1]["error"] and "device lost" not in str(health)
+        assert delay - 0.5 <= exited_after <= delay + 30
+        log = server.output()
+        assert "device lost (injected by the test)" in log and request_id in log
+    finally:
+        server.kill()
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=quiet_env())
+
+
+def test_port_in_use_is_one_line_and_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run_serve("--port", str(taken.getsockname()[1]))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("ddtree: error: cannot listen on 127.0.0.1:") and "in use" in out.stderr
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "999.1.1.1"])
+def test_bad_host_is_one_line_and_exit_2(host):
+    out = run_serve("--host", host, "--port", str(free_port()))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("ddtree: error: cannot listen on")
+
+
+@pytest.mark.parametrize("args, fragment", [(["--api-key", ""], "--api-key"), (["--port", "70000"], "0..65535")])
+def test_bad_serve_settings_are_one_line_and_exit_2(args, fragment):
+    out = run_serve(*args)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert fragment in out.stderr

@@ -1,6 +1,7 @@
 """The target's tokenizer, read from its directory (`tokenizer.json` + `tokenizer_config.json`)."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -28,6 +29,12 @@ class Tokenizer:
 
     def decode_for_output(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more of a text (byte-level
+        and SentencePiece vocabularies spell each byte or character as one character)."""
+        return max((len(token) for token in self.hf.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:

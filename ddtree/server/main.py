@@ -1,11 +1,13 @@
 """`ddtree serve`: an OpenAI-compatible endpoint for a target + DFlash drafter pair.
 
-The HTTP server starts at once and the pair loads in a background thread, so /health answers 503
-("loading") until the engine is ready. SIGTERM (what `systemctl stop` sends) stops accepting
-connections, lets the requests in flight and in the queue finish, then exits 0. An engine failure
-exits 1 so that the service manager restarts the server. Every flag can also come from a
-`DDTREE_<FLAG>` environment variable (e.g. DDTREE_TARGET, DDTREE_API_KEY), which is how the
-systemd unit passes them.
+The port is bound first (a port in use is one line and exit code 2), then the HTTP server starts
+and the pair loads in a background thread, so /health answers 503 ("loading") until the engine is
+ready. SIGTERM (what `systemctl stop` sends) stops accepting connections and lets the requests in
+flight and in the queue finish for up to --shutdown-timeout seconds; then what is left ends with an
+error (a final error chunk for a stream) and the process exits 0. An engine failure turns /health
+503 for --failure-exit-delay seconds, then exits 1 so that the service manager restarts the server.
+Every flag can also come from a `DDTREE_<FLAG>` environment variable (e.g. DDTREE_TARGET,
+DDTREE_API_KEY), which is how the systemd unit passes them.
 """
 from __future__ import annotations
 
@@ -19,12 +21,37 @@ from pathlib import Path
 
 from ddtree.cli import add_model_args
 from ddtree.config import AR, DDTreeError, parse_tree_budget
+from ddtree.server.limits import ServerLimits
 
 log = logging.getLogger("ddtree.server")
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # same as ddtree.server.app, without importing FastAPI here
+# ServerLimits' fields, each a flag: (type, help). Defaults and checks are ServerLimits'.
+LIMIT_FLAGS = {
+    "max_tree_budget": (int, "largest tree budget a request may name; larger ones are answered 400 (the "
+                             "server's own default is always allowed)"),
+    "max_cached_budgets": (int, "tree budgets besides the default whose buffers and graphs stay allocated; "
+                                "the least recently used beyond it are freed"),
+    "max_stop": (int, "most stop strings, and stop token ids, per request (more: 400)"),
+    "max_stop_chars": (int, "longest stop string, in characters (longer: 400)"),
+    "max_request_bytes": (int, "larger request bodies are answered 400"),
+    "max_json_depth": (int, "deepest nesting of objects and arrays in a request body (deeper: 400)"),
+    "max_json_keys": (int, "most keys in one object of a request body (more: 400)"),
+    "max_json_values": (int, "most JSON values in a request body (more: 400; default 2 x max-model-len + 4096)"),
+    "max_queued_requests": (int, "requests waiting for the engine; more are answered 429 with Retry-After"),
+    "max_connections": (int, "open connections; more are answered 503 (uvicorn's limit_concurrency)"),
+    "max_header_bytes": (int, "largest request line + headers; larger: 400 and the connection closed"),
+    "read_timeout": (float, "seconds for a request's head and body to arrive, from its first byte; a "
+                            "connection still receiving one then is closed"),
+    "keep_alive_timeout": (float, "seconds an idle kept-alive connection stays open"),
+    "shutdown_timeout": (float, "seconds SIGTERM lets requests in flight and queued finish; then they end "
+                                "with an error and the server exits"),
+    "engine_stall_timeout": (float, "/health answers 503 once the engine has had work but made no progress "
+                                    "for this many seconds"),
+    "failure_exit_delay": (float, "seconds /health answers 503 after an engine failure before the server "
+                                  "exits with code 1"),
+}
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
-             "served_model_name", "api_key", "max_request_bytes", "log_level", "warmup")
+             "served_model_name", "api_key", "log_level", "warmup", *LIMIT_FLAGS)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -41,13 +68,16 @@ def register(subparsers) -> None:
                         "(measure on this machine at start-up; default 64)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (prefer DDTREE_API_KEY)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help=f"larger request bodies are answered 400 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--warmup", action="store_true",
                    help="on CUDA, capture every graph of the default tree budget (all prefill lengths and KV "
                         "buckets) before serving: no capture pauses on first requests, for start-up time and GPU "
                         "memory (a logits buffer per KV bucket); DDTREE_WARMUP=1 sets it")
+    defaults = ServerLimits()
+    for name, (kind, text) in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        shown = "" if default is None else f" (default {default:g})" if kind is float else f" (default {default})"
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text + shown)
     env = {flag: os.environ[f"DDTREE_{flag.upper()}"] for flag in ENV_FLAGS if os.environ.get(f"DDTREE_{flag.upper()}")}
     p.set_defaults(func=cmd_serve, **env)
 
@@ -86,34 +116,65 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False):
     return llm
 
 
+def limits_from(args: argparse.Namespace) -> ServerLimits:
+    limits = ServerLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
+    try:
+        limits.check()
+    except ValueError as exc:
+        raise DDTreeError(str(exc)) from None
+    return limits
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ddtree.llm import DEFAULT_TARGET
     from ddtree.server.app import create_app
+    from ddtree.server.connection import TimedH11Protocol
+    from ddtree.server.listen import bind_listeners
+    from ddtree.server.shutdown import GracePeriodServer
 
     budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
-    if args.max_request_bytes < 1:
-        raise DDTreeError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    limits = limits_from(args)
+    if isinstance(budget, int) and budget > limits.max_tree_budget:
+        raise DDTreeError(f"--tree-budget {budget} is over --max-tree-budget {limits.max_tree_budget}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise DDTreeError("--api-key must not be empty; leave it out to serve without a key")
     warmup = flag_enabled(args.warmup, "warmup")
+    sockets = bind_listeners(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or Path(args.target or DEFAULT_TARGET).name
     outcome: dict[str, object] = {"exit": 0}
 
     def on_engine_death(exc: BaseException) -> None:
-        log.error("engine failed; shutting down with exit code 1")
+        log.error("engine failed; /health answers 503 for %g s, then the server exits with code 1",
+                  limits.failure_exit_delay)
         outcome["exit"] = 1
-        server.should_exit = True
+        threading.Timer(limits.failure_exit_delay, lambda: setattr(server, "should_exit", True)).start()
 
-    app = create_app(None, served_model_name=name, api_key=args.api_key or None,
-                     max_request_bytes=args.max_request_bytes, on_engine_death=on_engine_death)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=None))
+    app = create_app(None, served_model_name=name, api_key=args.api_key, limits=limits,
+                     on_engine_death=on_engine_death)
+    worker = app.state.worker
+
+    def end_what_is_left() -> None:
+        ended = worker.abort_all(f"the server is shutting down and its {limits.shutdown_timeout:g} s grace period "
+                                 "(--shutdown-timeout) has passed")
+        if ended:
+            log.warning("shutdown timeout: ended %d request(s) still running or queued", ended)
+
+    config = uvicorn.Config(app, log_level=args.log_level,
+                            http=TimedH11Protocol.with_timeouts(limits.read_timeout, limits.shutdown_timeout),
+                            limit_concurrency=limits.max_connections,
+                            h11_max_incomplete_event_size=limits.max_header_bytes,
+                            timeout_keep_alive=limits.keep_alive_timeout,
+                            # A backstop: end_what_is_left has ended every request by then.
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    server = GracePeriodServer(config, limits.shutdown_timeout, end_what_is_left)
 
     def load() -> None:
         try:
             llm = _load(args, budget, warmup)
-            app.state.worker.attach(llm, "auto" if budget == "auto" else "fixed")
+            worker.attach(llm, "auto" if budget == "auto" else "fixed")
             log.info("serving %r on http://%s:%d", name, args.host, args.port)
         except BaseException as exc:  # reported after the HTTP server has stopped
             outcome["error"] = exc
@@ -123,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # a no-op handler there makes a drained shutdown exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     threading.Thread(target=load, name="ddtree-load", daemon=True).start()
-    server.run()
+    server.run(sockets=sockets)
     error = outcome.get("error")
     if isinstance(error, DDTreeError):
         raise error

@@ -58,18 +58,23 @@ class ServerMetrics:
         self.tree_budget = Gauge("ddtree:tree_budget",
                                  "Tree nodes drafted per round at the server's default budget (0 = ar)", m,
                                  registry=r)
+        self.budgets_allocated = Gauge("ddtree:tree_budgets_allocated",
+                                       "Tree budgets whose buffers (and graphs) are allocated now", m, registry=r)
         self.acceptance_length = Histogram("ddtree:acceptance_length",
                                            "Acceptance length per drafted round (bonus token counted)", m,
                                            buckets=ACCEPTANCE_BUCKETS, registry=r)
         for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.tpot, self.e2e, self.running, self.waiting,
-                       self.tree_budget, self.acceptance_length):
+                       self.tree_budget, self.budgets_allocated, self.acceptance_length):
             metric.labels(model_name)  # expose every series from the start, at zero
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
 
     def set_tree_budget(self, nodes: int) -> None:
         self.tree_budget.labels(self.model_name).set(nodes)
+
+    def set_budgets_allocated(self, count: int) -> None:
+        self.budgets_allocated.labels(self.model_name).set(count)
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)

@@ -1,21 +1,72 @@
-"""Pure ASGI middleware, run before FastAPI parses anything: the API key and the request size."""
+"""Pure ASGI middleware, run before FastAPI parses anything: request ids and the last word on
+unexpected errors, the API key, the request size."""
 from __future__ import annotations
 
+import logging
 import secrets
+import uuid
 
 from fastapi.responses import JSONResponse
 
 from ddtree.server.protocol import error_body
 
+log = logging.getLogger("ddtree.server")
 
-def _json_error(status: int, body: dict) -> JSONResponse:
-    return JSONResponse(body, status_code=status)
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+def _json_error(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def request_id_of(scope) -> str:
+    return scope.get("state", {}).get("request_id", "-")
+
+
+def internal_error_body(request_id: str) -> dict:
+    """What a client sees of a server fault: no internal message, the id to quote; the log has the rest."""
+    return error_body(f"internal server error; the server log has the details under request id {request_id}",
+                      type="server_error", code="internal_error")
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (`request.state.request_id`, the `x-request-id` response
+    header, the response's own id) and turns an unexpected exception into a 500 whose body holds
+    that id and nothing internal, logging the exception under it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER, request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path"))
+            if not started:
+                await _json_error(500, internal_error_body(request_id))(scope, receive, send_with_id)
 
 
 class ApiKeyMiddleware:
     """401 for /v1/* requests without `Authorization: Bearer <key>`."""
 
     def __init__(self, app, api_key: str):
+        if not api_key:
+            raise ValueError("the API key must not be empty")
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
@@ -32,7 +83,9 @@ class ApiKeyMiddleware:
 
 class BodyLimitMiddleware:
     """400 for request bodies over `max_bytes`; the body is read (and dropped) first so the client
-    always gets the answer. Within the limit, the body is replayed to the app unchanged."""
+    always gets the answer, and the connection is closed after it. Within the limit, the body is
+    replayed to the app unchanged. (How long a body may take to arrive is the connection's read
+    timeout, ddtree.server.connection.)"""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -51,12 +104,12 @@ class BodyLimitMiddleware:
             if size <= self.max_bytes:
                 chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-            if size > 8 * self.max_bytes:  # stop reading a flood; the connection gets closed
+            if size > 8 * self.max_bytes:  # stop reading a flood
                 break
         if size > self.max_bytes:
             body = error_body(f"request body is {size if not more else 'over ' + str(size)} bytes; "
                               f"the limit is {self.max_bytes} (--max-request-bytes)", code="request_too_large")
-            await _json_error(400, body)(scope, receive, send)
+            await _json_error(400, body, {"connection": "close"})(scope, receive, send)
             return
         replayed = False
 

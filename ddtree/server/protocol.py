@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ddtree.config import DDTreeError, SamplingParams
+from ddtree.config import DDTreeError, SamplingParams, shown
 
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator accepts
 
@@ -105,6 +105,20 @@ class SamplingFields(StrictModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def check_stop_limits(self, max_stop: int, max_stop_chars: int) -> None:
+        """Refuse stop lists that would cost every decoded token more than a bounded check."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > max_stop:
+            raise DDTreeError(f"stop holds {len(stops)} strings; this server takes at most {max_stop} (--max-stop)",
+                              "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_stop_chars:
+            raise DDTreeError(f"stop strings may be at most {max_stop_chars} characters long (--max-stop-chars), "
+                              f"got one of {longest}", "stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > max_stop:
+            raise DDTreeError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; this server takes at most "
+                              f"{max_stop} (--max-stop)", "stop_token_ids")
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -179,8 +193,13 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+MAX_PARAM_CHARS = 100  # a field path longer than this (a megabyte-long unknown key) is cut, not echoed
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    if param is not None and len(param) > MAX_PARAM_CHARS:
+        param = param[: MAX_PARAM_CHARS - 3] + "..."
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -188,24 +207,31 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ChatMessage"}
 
 
+def _field_path(loc) -> list[str]:
+    return [str(p) for p in loc if isinstance(p, int) or (p not in _TYPE_TAGS and "[" not in str(p))]
+
+
 def validation_error_body(errors: list[dict]) -> dict:
-    """FastAPI's list of pydantic errors -> one OpenAI error body naming the first problem."""
-    first = errors[0] if errors else {"type": "missing", "loc": ("body",), "msg": "request body is required"}
+    """pydantic's list of errors -> one OpenAI error body naming the first problem."""
+    first = errors[0] if errors else {"type": "missing", "loc": (), "msg": "request body is required"}
     kind = first.get("type", "")
-    loc = [p for p in first.get("loc", ()) if p != "body"]
+    loc = list(first.get("loc", ()))
+    if loc[:1] == ["body"]:  # FastAPI's prefix
+        loc = loc[1:]
     if kind == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "invalid JSON")
         return error_body(f"request body is not valid JSON: {reason}", code="invalid_json")
-    path = [str(p) for p in loc if isinstance(p, int) or (p not in _TYPE_TAGS and "[" not in str(p))]
-    param = ".".join(path) or None
+    # An unknown key is the last element of its location, whatever it is called ("", "str", ...).
+    path = _field_path(loc[:-1]) + [str(loc[-1])] if kind == "extra_forbidden" and loc else _field_path(loc)
+    param = ".".join(path) if path else None
     if not path:
         if kind == "missing":
             return error_body("request body is required: a JSON object", code="invalid_value")
         return error_body("request body must be a JSON object", code="invalid_value")
+    named = shown(param)[1:-1]  # cut, if it is a megabyte-long key
     if kind == "extra_forbidden":
-        return error_body(f"unsupported field {param!r}", param=param, code="unsupported_parameter")
+        return error_body(f"unsupported field '{named}'", param=param, code="unsupported_parameter")
     if kind == "missing":
-        return error_body(f"{param} is required", param=param, code="missing_required_parameter")
-    value = first.get("input")
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    return error_body(f"{param}: {first.get('msg', 'invalid value')}, got {shown}", param=param, code="invalid_value")
+        return error_body(f"{named} is required", param=param, code="missing_required_parameter")
+    return error_body(f"{named}: {first.get('msg', 'invalid value')}, got {shown(first.get('input'))}", param=param,
+                      code="invalid_value")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict
@@ -10,8 +11,11 @@ from typing import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from ddtree.config import DDTreeError
+from ddtree.server.middleware import internal_error_body
 from ddtree.server.protocol import SamplingFields, error_body
-from ddtree.server.worker import EngineUnavailable, Job
+from ddtree.server.worker import EngineFailure, EngineUnavailable, Job
+
+log = logging.getLogger("ddtree.server")
 
 
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -27,8 +31,10 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 class Reply:
     """Builds the OpenAI response bodies and stream chunks of one request."""
 
-    def __init__(self, prefix: str, obj: str, model: str, body: SamplingFields, prompt_ids: list[int]):
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+    def __init__(self, prefix: str, obj: str, model: str, body: SamplingFields, prompt_ids: list[int],
+                 request_id: str | None = None):
+        self.request_id = request_id or uuid.uuid4().hex
+        self.id = f"{prefix}-{self.request_id}"
         self.object = obj
         self.created = int(time.time())
         self.model = model
@@ -77,8 +83,12 @@ class Reply:
                 except EngineUnavailable as exc:
                     yield error_body(str(exc), type="server_error", code="engine_unavailable")
                     return
-                except Exception as exc:  # the engine failed mid-stream (cancellation passes through)
-                    yield error_body(f"internal error: {type(exc).__name__}", type="server_error")
+                except EngineFailure:  # logged by the engine thread
+                    yield internal_error_body(self.request_id)
+                    return
+                except Exception:  # cancellation passes through
+                    log.exception("request %s failed mid-stream", self.request_id)
+                    yield internal_error_body(self.request_id)
                     return
                 yield event
                 if event.result is not None:

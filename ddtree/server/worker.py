@@ -5,9 +5,15 @@ the job's events from an asyncio queue that the engine thread fills. A job whose
 cancelled: the thread checks the flag after every engine step and closes the `LLM.stream` generator,
 so a disconnected request costs at most the round in progress.
 
-Any unexpected exception from the engine marks it dead: the job gets the error, every queued job
-gets "engine unavailable", /health answers 503 and `on_death` (the CLI: shut the server down with
-exit code 1 so the service manager restarts it) is called.
+Any unexpected exception from the engine marks it dead: the job gets `EngineFailure` (its client a
+500 without internal details, the log the traceback), every queued job "engine unavailable",
+/health answers 503 and `on_death` (the CLI: answer 503 for a few seconds, then exit 1 so that the
+service manager restarts it) is called.
+
+The queue is bounded (`max_queued`: more is `QueueFull`, a 429), and the worker notes the time of
+the engine's last step, so /health can tell a stuck engine from a busy one (`stalled_for`). At the
+end of a shutdown's grace period, `abort_all` ends the running job and the queued ones with
+"engine unavailable" (their streams end with an error chunk).
 """
 from __future__ import annotations
 
@@ -31,6 +37,14 @@ class EngineUnavailable(Exception):
     """The engine is loading, dead or stopped: the request is answered 503."""
 
 
+class QueueFull(Exception):
+    """max_queued requests are already waiting: the request is answered 429."""
+
+
+class EngineFailure(Exception):
+    """The engine failed while decoding this job (the details are in the log): answered 500."""
+
+
 @dataclass
 class Job:
     """One validated request. `events` receives StreamEvents, then nothing more; or one exception."""
@@ -39,6 +53,7 @@ class Job:
     params: SamplingParams
     budget: TreeBudget
     loop: asyncio.AbstractEventLoop
+    request_id: str = "-"
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -62,15 +77,20 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, metrics: ServerMetrics, on_death: Callable[[BaseException], None] | None = None):
+    def __init__(self, metrics: ServerMetrics, on_death: Callable[[BaseException], None] | None = None,
+                 max_queued: int | None = None, max_cached_budgets: int | None = None):
         self.metrics = metrics
         self.on_death = on_death
+        self.max_queued = max_queued
+        self.max_cached_budgets = max_cached_budgets
         self.llm = None
         self.state = LOADING
         self.error: str | None = None
         self.tree_budget_mode = "fixed"
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running = 0
+        self._current: Job | None = None
+        self._progress_at = time.monotonic()  # the engine's last step (or the start of its current job)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -83,6 +103,9 @@ class EngineWorker:
                 raise RuntimeError(f"engine worker is {self.state}, cannot attach a model")
             self.llm = llm
             self.tree_budget_mode = tree_budget_mode
+            working_set = getattr(llm, "working_set", None)
+            if working_set is not None and self.max_cached_budgets is not None:
+                working_set.capacity = self.max_cached_budgets
             self.metrics.set_tree_budget(self.drafted_per_round(llm.default_budget))
             self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
             self._thread.start()
@@ -90,8 +113,8 @@ class EngineWorker:
         log.info("engine ready: target %s, drafter %s, tree budget %s on %s", llm.target_name, llm.draft_name,
                  llm.default_budget, llm.device)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Finish the queued jobs, then end the thread."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Finish the queued jobs, then end the thread; False if it was still running after `timeout`."""
         with self._lock:
             if self.state == READY:
                 self.state = STOPPED
@@ -99,6 +122,31 @@ class EngineWorker:
         if thread is not None and thread.is_alive():
             self._jobs.put(None)
             thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def abort_all(self, reason: str) -> int:
+        """Refuse new jobs and end every job with EngineUnavailable(reason): the running one stops
+        after the round in progress, queued ones never start. Returns how many were ended."""
+        with self._lock:
+            if self.state == READY:
+                self.state = STOPPED
+            ended = []
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    ended.append(job)
+            self._jobs.put(None)  # and the thread ends once the running job has stopped
+            if self._current is not None:
+                ended.append(self._current)
+        for job in ended:
+            job.emit(EngineUnavailable(reason))
+            job.cancel()
+        self._update_queue_gauges()
+        return len(ended)
 
     @property
     def ready(self) -> bool:
@@ -113,14 +161,29 @@ class EngineWorker:
         with self._lock:
             if self.state != READY:
                 raise EngineUnavailable(self.unavailable_reason())
+            if self.max_queued is not None and self._jobs.qsize() >= self.max_queued:
+                raise QueueFull(f"{self._jobs.qsize()} requests are already waiting for the engine, the most this "
+                                "server queues (--max-queued-requests); retry shortly")
+            if self._jobs.empty() and self._current is None:
+                self._progress_at = time.monotonic()  # an idle engine has not been stalling
             self._jobs.put(job)
         self._update_queue_gauges()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine's last step while it has work; 0 when it has none."""
+        if self.state != READY or (self._current is None and self._jobs.empty()):
+            return 0.0
+        return time.monotonic() - self._progress_at
 
     def unavailable_reason(self) -> str:
         if self.state == LOADING:
             return "the model is still loading; retry when /health answers 200"
         if self.state == DEAD:
-            return f"the engine has failed ({self.error}); the server is restarting"
+            return "the engine has failed; the server is restarting"
         return "the server is shutting down"
 
     def _update_queue_gauges(self) -> None:
@@ -144,6 +207,9 @@ class EngineWorker:
                                             ttft_s=None, e2e_s=time.perf_counter() - job.arrival,
                                             first_to_last_s=None)
                 continue
+            with self._lock:
+                self._current = job
+                self._progress_at = time.monotonic()
             self._running = 1
             self._update_queue_gauges()
             try:
@@ -151,12 +217,16 @@ class EngineWorker:
             except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
                 job.emit(exc)
             except BaseException as exc:  # the engine itself failed
-                log.exception("engine failed while decoding a request")
-                self._die(exc)  # first, so that /health already says so when the client hears of it
-                job.emit(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+                log.exception("engine failed while decoding request %s", job.request_id)
+                self._die(exc, job.request_id)  # first, so that /health already says so when the client hears
+                job.emit(EngineFailure(f"the engine failed while decoding request {job.request_id}"))
             finally:
+                with self._lock:
+                    self._current = None
+                    self._progress_at = time.monotonic()
                 self._running = 0
                 self._update_queue_gauges()
+                self._update_budget_gauge()
 
     def _run_job(self, job: Job) -> None:
         """Decode one job, emitting each StreamEvent; stop after the step in progress once cancelled."""
@@ -166,6 +236,7 @@ class EngineWorker:
         stream = self.llm.stream(job.prompt_ids, job.params, job.budget)
         try:
             for event in stream:
+                self._progress_at = time.monotonic()
                 now = time.perf_counter()
                 if first_token_at is None:
                     first_token_at = now
@@ -198,10 +269,16 @@ class EngineWorker:
         self._running = 0
         self._update_queue_gauges()
 
-    def _die(self, exc: BaseException) -> None:
+    def _update_budget_gauge(self) -> None:
+        working_set = getattr(self.llm, "working_set", None)
+        if working_set is not None:
+            self.metrics.set_budgets_allocated(len(working_set.held))
+
+    def _die(self, exc: BaseException, request_id: str) -> None:
         with self._lock:
             self.state = DEAD
-            self.error = f"{type(exc).__name__}: {exc}"
+            # No internal message: /health is answered to anyone; the log has the traceback.
+            self.error = f"the engine failed while decoding request {request_id}; see the server log"
         stopping = False
         while True:  # fail whatever is still queued
             try:
