@@ -5,7 +5,7 @@ nothing, sends half a request head, or stops half way through a body holds its c
 shutdown, the whole server) for ever. Here every request must arrive in full, head and body, within
 `read_timeout` seconds of its first byte (of the connection opening, for the first request); a
 connection still receiving one then is closed. Once a shutdown has begun, a request still arriving
-gets at most `shutdown_timeout` more seconds.
+gets at most `shutdown_timeout` more seconds (`ddtree serve` passes its grace period).
 """
 from __future__ import annotations
 

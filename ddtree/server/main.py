@@ -3,8 +3,8 @@
 The port is bound first (a port in use is one line and exit code 2), then the HTTP server starts
 and the pair loads in a background thread, so /health answers 503 ("loading") until the engine is
 ready. SIGTERM (what `systemctl stop` sends) stops accepting connections and lets the requests in
-flight and in the queue finish for up to --shutdown-timeout seconds; then what is left ends with an
-error (a final error chunk for a stream) and the process exits 0. An engine failure turns /health
+flight and in the queue finish; what is left then ends with an error (a final error chunk for a
+stream) and the process exits 0, all within --shutdown-timeout seconds. An engine failure turns /health
 503 for --failure-exit-delay seconds, then exits 1 so that the service manager restarts the server.
 Every flag can also come from a `DDTREE_<FLAG>` environment variable (e.g. DDTREE_TARGET,
 DDTREE_API_KEY), which is how the systemd unit passes them.
@@ -43,8 +43,8 @@ LIMIT_FLAGS = {
     "read_timeout": (float, "seconds for a request's head and body to arrive, from its first byte; a "
                             "connection still receiving one then is closed"),
     "keep_alive_timeout": (float, "seconds an idle kept-alive connection stays open"),
-    "shutdown_timeout": (float, "seconds SIGTERM lets requests in flight and queued finish; then they end "
-                                "with an error and the server exits"),
+    "shutdown_timeout": (float, "seconds from SIGTERM to the process's exit: requests in flight and queued "
+                                "finish until about a second before, then end with an error"),
     "engine_stall_timeout": (float, "/health answers 503 once the engine has had work but made no progress "
                                     "for this many seconds"),
     "failure_exit_delay": (float, "seconds /health answers 503 after an engine failure before the server "
@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ddtree.server.app import create_app
     from ddtree.server.connection import TimedH11Protocol
     from ddtree.server.listen import bind_listeners
-    from ddtree.server.shutdown import GracePeriodServer
+    from ddtree.server.shutdown import GracePeriodServer, exit_now, grace_period
 
     budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
     limits = limits_from(args)
@@ -157,19 +157,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = app.state.worker
 
     def end_what_is_left() -> None:
-        ended = worker.abort_all(f"the server is shutting down and its {limits.shutdown_timeout:g} s grace period "
-                                 "(--shutdown-timeout) has passed")
+        ended = worker.abort_all(f"the server is shutting down and its {limits.shutdown_timeout:g} s limit "
+                                 "(--shutdown-timeout) is up")
         if ended:
             log.warning("shutdown timeout: ended %d request(s) still running or queued", ended)
 
     config = uvicorn.Config(app, log_level=args.log_level,
-                            http=TimedH11Protocol.with_timeouts(limits.read_timeout, limits.shutdown_timeout),
+                            http=TimedH11Protocol.with_timeouts(limits.read_timeout, grace_period(limits.shutdown_timeout)),
                             limit_concurrency=limits.max_connections,
                             h11_max_incomplete_event_size=limits.max_header_bytes,
                             timeout_keep_alive=limits.keep_alive_timeout,
                             # A backstop: end_what_is_left has ended every request by then.
                             timeout_graceful_shutdown=limits.shutdown_timeout + 5)
-    server = GracePeriodServer(config, limits.shutdown_timeout, end_what_is_left)
+    server = GracePeriodServer(config, grace_period(limits.shutdown_timeout), end_what_is_left)
 
     def load() -> None:
         try:
@@ -191,4 +191,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if error is not None:
         log.error("loading the model failed: %s: %s", type(error).__name__, error)
         return 1
-    return int(outcome["exit"])
+    exit_now(int(outcome["exit"]))  # within --shutdown-timeout: no teardown of the loaded model
+    return int(outcome["exit"])  # not reached
