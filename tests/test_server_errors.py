@@ -51,7 +51,7 @@ BAD = [
     ("stop-not-strings", C, {"prompt": "x", "stop": [1]}, {}, 400, "stop", None),
     ("stop-token-ids-negative", C, {"prompt": "x", "stop_token_ids": [-1]}, {}, 400, "stop_token_ids", None),
     ("n-two", C, {"prompt": "x", "n": 2}, {}, 400, "n", None),
-    ("unknown-field", C, {"prompt": "x", "tools": []}, {}, 400, "tools", "unsupported_parameter"),
+    ("unknown-field-wrong-known-one", C, {"prompt": "x", "tools": [], "top_p": "1"}, {}, 400, "top_p", None),
     ("presence-penalty", C, {"prompt": "x", "presence_penalty": 0.5}, {}, 400, "presence_penalty", None),
     ("logprobs", C, {"prompt": "x", "logprobs": 5}, {}, 400, "logprobs", None),
     ("chat-empty-messages", CHAT, {"messages": []}, {}, 400, "messages", None),

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ddtree
 from ddtree.config import DDTreeError, parse_tree_budget, shown
+from ddtree.server.ignored_fields import IgnoredFieldLog, unknown_fields
 from ddtree.server.json_body import JsonBodyError, JsonLimits, parse_json_body
 from ddtree.server.limits import ServerLimits
 from ddtree.server.metrics import ServerMetrics
@@ -232,8 +233,10 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def read_request(request: Request, model: type[SamplingFields], limits: JsonLimits) -> SamplingFields:
-    """The request body as `model`, parsed within `limits`; raises RequestRejected (400)."""
+async def read_request(request: Request, model: type[SamplingFields], limits: JsonLimits,
+                       ignored: IgnoredFieldLog | None = None) -> SamplingFields:
+    """The request body as `model`, parsed within `limits`; raises RequestRejected (400). Unknown
+    top-level fields are dropped, and their names noted in `ignored`."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
         raise RequestRejected(400, error_body(f"request body must be JSON (Content-Type: application/json), got "
@@ -242,6 +245,9 @@ async def read_request(request: Request, model: type[SamplingFields], limits: Js
         data = await parse_json_body(await request.body(), limits)
     except JsonBodyError as exc:
         raise RequestRejected(400, error_body(str(exc), param=exc.param, code=exc.code)) from None
+    unknown = unknown_fields(data, model.model_fields)
+    if unknown and ignored is not None:
+        ignored.note(unknown, request.url.path, request.scope.get("state", {}).get("request_id", "-"))
     if model is ChatCompletionRequest and isinstance(data, dict) and isinstance(data.get("messages"), list):
         data = {**data, "messages": await _validated_messages(data["messages"])}
     try:
@@ -269,12 +275,13 @@ async def _validated_messages(messages: list) -> list:
 
 def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, limits: ServerLimits) -> None:
     prepare_slots: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
+    ignored_fields = IgnoredFieldLog()
 
     async def admit(request: Request, model: type[SamplingFields]):
         """The validated body and the LLM, once everything that needs no tokenizer has been checked."""
         llm = _ready_llm(worker)
         json_limits = JsonLimits(limits.max_json_depth, limits.max_json_keys, limits.json_values(llm.max_model_len))
-        body = await read_request(request, model, json_limits)
+        body = await read_request(request, model, json_limits, ignored_fields)
         if body.model is not None and body.model != model_name:
             raise ModelNotFound(f"model {shown(body.model)} does not exist; this server serves {model_name!r}")
         body.check_stop_limits(limits.max_stop, limits.max_stop_chars)

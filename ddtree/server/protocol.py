@@ -1,8 +1,11 @@
 """OpenAI request shapes for /v1/completions and /v1/chat/completions, and the error body.
 
-Requests are parsed strictly: `"5"` is not an integer, `1` is not a boolean and an unknown field is an
-error, so a typo answers 400 instead of silently falling back to a default. Fields OpenAI defines but
-ddtree does not implement (penalties, logprobs, echo, ...) are accepted only at their neutral value.
+Known fields are parsed strictly: `"5"` is not an integer and `1` is not a boolean, so a wrong value
+answers 400 instead of silently falling back to a default. Unknown top-level fields are ignored (the
+app logs their names, ddtree.server.ignored_fields), as OpenAI clients send fields of their own; inside
+messages an unknown key stays an error, since dropping part of a message would change the prompt.
+Fields OpenAI defines but ddtree does not implement (penalties, echo, ...) are accepted only at their
+neutral value.
 """
 from __future__ import annotations
 
@@ -37,11 +40,17 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(StrictModel):
+class LenientModel(BaseModel):
+    """Strict about the fields it knows; ignores the others (the app logs them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(LenientModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(LenientModel):
     """Fields shared by both endpoints."""
 
     model: Optional[str] = Field(None, description="the served model name (default: the only one served)")
