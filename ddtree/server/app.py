@@ -50,6 +50,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 PREPARE_THREADS = 2  # requests tokenized at once: tokenizing releases the GIL, but each takes a core
 RETRY_AFTER_LOADING_S = 5
 RETRY_AFTER_QUEUE_FULL_S = 1
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MESSAGES_PER_TURN = 256  # chat messages validated between two turns of the event loop
 _MESSAGE_LIST = TypeAdapter(list[ChatMessage])
 ERROR_RESPONSES = {400: {"model": ErrorResponse, "description": "invalid request"},
@@ -285,6 +286,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
         if body.model is not None and body.model != model_name:
             raise ModelNotFound(f"model {shown(body.model)} does not exist; this server serves {model_name!r}")
         body.check_stop_limits(limits.max_stop, limits.max_stop_chars)
+        _check_output_cap(body, limits.max_output_tokens)
         if body.tree_budget is not None:
             budget = parse_tree_budget(body.tree_budget)
             if isinstance(budget, int) and budget > limits.max_tree_budget and budget != llm.default_budget:
@@ -310,7 +312,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
 
         def prepare():
             prompt_ids = _nonempty(llm.prompt_ids(body.single_prompt()))
-            params = body.sampling_params(default_max_tokens=16)
+            params = body.sampling_params(default_max_tokens=limits.capped(COMPLETION_MAX_TOKENS))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
@@ -327,8 +329,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
 
         def prepare():
             prompt_ids = _nonempty(llm.apply_chat_template(body.template_messages()))
-            room = max(llm.max_model_len - len(prompt_ids), 1)
-            params = body.sampling_params(default_max_tokens=room)
+            params = body.sampling_params(default_max_tokens=limits.default_output_tokens(llm.max_model_len - len(prompt_ids)))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
@@ -338,6 +339,15 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             return sse(reply.chat_chunks(job))
         result = await _collect(job, request)
         return reply.chat(result) if result is not None else Response(status_code=499)
+
+
+def _check_output_cap(body: SamplingFields, cap: int | None) -> None:
+    """Refuse a max_tokens over the operator's --max-output-tokens."""
+    requested = body.requested_max_tokens()
+    if cap is not None and requested is not None and requested > cap:
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        raise DDTreeError(f"{param} {requested} is over this server's limit of {cap} output tokens "
+                          "(--max-output-tokens)", param)
 
 
 def _ready_llm(worker: EngineWorker):
