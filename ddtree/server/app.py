@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat, /health, /v1/models, /version, /metrics.
+"""The FastAPI app: OpenAI-compatible completions and chat, /health, /v1/models, /version, /metrics,
+and vLLM's /tokenize and /detokenize.
 
     app = create_app(llm, served_model_name="qwen3-8b")     # serve a loaded LLM
     app = create_app(None, served_model_name="qwen3-8b")    # /health answers 503 until
@@ -44,6 +45,7 @@ from ddtree.server.protocol import (
     validation_error_body,
 )
 from ddtree.server.responses import Reply, sse
+from ddtree.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from ddtree.server.worker import LOADING, READY, EngineFailure, EngineUnavailable, EngineWorker, Job, QueueFull
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -111,7 +113,8 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
     _add_error_handlers(app)
     _add_info_routes(app, worker, metrics, model_name, limits)
     _add_generation_routes(app, worker, model_name, limits)
-    _document_openapi(app, {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest})
+    _document_openapi(app, {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
+                            "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest})
     return app
 
 
@@ -249,7 +252,7 @@ async def read_request(request: Request, model: type[SamplingFields], limits: Js
     unknown = unknown_fields(data, model.model_fields)
     if unknown and ignored is not None:
         ignored.note(unknown, request.url.path, request.scope.get("state", {}).get("request_id", "-"))
-    if model is ChatCompletionRequest and isinstance(data, dict) and isinstance(data.get("messages"), list):
+    if "messages" in model.model_fields and isinstance(data, dict) and isinstance(data.get("messages"), list):
         data = {**data, "messages": await _validated_messages(data["messages"])}
     try:
         return model.model_validate(data)
@@ -278,13 +281,18 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
     prepare_slots: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
     ignored_fields = IgnoredFieldLog()
 
-    async def admit(request: Request, model: type[SamplingFields]):
-        """The validated body and the LLM, once everything that needs no tokenizer has been checked."""
+    async def read_body(request: Request, model: type[BaseModel]):
+        """The validated body (of the served model) and the LLM."""
         llm = _ready_llm(worker)
         json_limits = JsonLimits(limits.max_json_depth, limits.max_json_keys, limits.json_values(llm.max_model_len))
         body = await read_request(request, model, json_limits, ignored_fields)
         if body.model is not None and body.model != model_name:
             raise ModelNotFound(f"model {shown(body.model)} does not exist; this server serves {model_name!r}")
+        return body, llm
+
+    async def admit(request: Request, model: type[SamplingFields]):
+        """The validated body and the LLM, once everything that needs no tokenizer has been checked."""
+        body, llm = await read_body(request, model)
         body.check_stop_limits(limits.max_stop, limits.max_stop_chars)
         _check_output_cap(body, limits.max_output_tokens)
         if body.tree_budget is not None:
@@ -305,6 +313,8 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
                   request_id=request.scope["state"].get("request_id", "-"))
         worker.submit(job)
         return job
+
+    _add_tokenize_routes(app, read_body, prepared)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
@@ -339,6 +349,18 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             return sse(reply.chat_chunks(job))
         result = await _collect(job, request)
         return reply.chat(result) if result is not None else Response(status_code=499)
+
+
+def _add_tokenize_routes(app: FastAPI, read_body, prepared) -> None:
+    @app.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        body, llm = await read_body(request, TokenizeRequest)
+        return (await prepared(lambda: (tokenize(llm, body),)))[0]
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        body, llm = await read_body(request, DetokenizeRequest)
+        return (await prepared(lambda: (detokenize(llm, body),)))[0]
 
 
 def _check_output_cap(body: SamplingFields, cap: int | None) -> None:
