@@ -327,7 +327,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
 
         prompt_ids, params, budget = await prepared(prepare)
         job = submit(request, prompt_ids, params, budget)
-        reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id)
+        reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.completion_chunks(job))
         result = await _collect(job, request)
@@ -344,7 +344,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
 
         prompt_ids, params, budget = await prepared(prepare)
         job = submit(request, prompt_ids, params, budget)
-        reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id)
+        reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.chat_chunks(job))
         result = await _collect(job, request)
@@ -370,6 +370,13 @@ def _check_output_cap(body: SamplingFields, cap: int | None) -> None:
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         raise DDTreeError(f"{param} {requested} is over this server's limit of {cap} output tokens "
                           "(--max-output-tokens)", param)
+
+
+def _token_text(llm) -> Callable[[int], str]:
+    """A token id's text, for log-probs ("token_id:<id>" without a tokenizer, as vLLM writes it)."""
+    if llm.tokenizer is None:
+        return lambda token: f"token_id:{token}"
+    return lambda token: llm.tokenizer.decode([token])
 
 
 def _ready_llm(worker: EngineWorker):
