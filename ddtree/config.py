@@ -90,6 +90,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no log-probs; k: each emitted token's log-prob and the k most likely tokens (0..20).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,3 +136,5 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise DDTreeError("ignore_eos must be true or false", "ignore_eos")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= 20:
+            raise DDTreeError(f"logprobs must be in [0, 20], got {shown(self.logprobs)}", "logprobs")

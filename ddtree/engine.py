@@ -23,7 +23,9 @@ the GPU computes round r + 1 instead of leaving it idle. Round r + 1's KV bucket
 upper bound of n (round r accepts at most `keep` nodes). A request that stops leaves one launched
 round behind; it writes only slots past its committed length, so the next request is unaffected.
 Near max_tokens, where round r may end the request by length, round r + 1 waits for round r's
-summary instead. The only host sync of a round is reading its summary.
+summary instead. The only host sync of a round is reading its summary (with, for a request that
+asks for log-probs, those of its emitted tokens, gathered from the verify's logits after the back and
+copied with it: ddtree.logprobs).
 
 The prefill of a prompt of up to PREFILL_PAD_MAX tokens is padded to the next of a few fixed
 lengths (`prefill_lengths`), on CUDA one graph each: one replay instead of ~100 launches and the
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 
 from ddtree.bounded_compile import CompiledForFirstSizes
 from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, SamplingParams, TreeBudget
+from ddtree.logprobs import RoundLogprobs, TokenLogprob, as_token_logprobs, chosen_logprobs
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.target import TargetModel
@@ -68,10 +71,12 @@ def prefill_lengths(limit: int) -> list[int]:
 @dataclass
 class Step:
     """What one step committed: `tokens` (new output tokens, in order) and the round's acceptance
-    length (accepted tree nodes, root included; 0 for the prefill step)."""
+    length (accepted tree nodes, root included; 0 for the prefill step); with params.logprobs set,
+    the target's log-prob of each token (ddtree.logprobs)."""
 
     tokens: list[int]
     acceptance_length: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 class RoundBuffers:
@@ -90,6 +95,10 @@ class RoundBuffers:
         self.choices = torch.zeros(size, dtype=torch.long, device=device)
         self.offsets = torch.arange(size, device=device)  # node i's slot is n + i
         self.summary = torch.zeros(keep + 2, dtype=torch.long, device=device)
+        # The kept nodes (accepted first, in depth order), for log-probs: the tokens a round emits
+        # are the target's choices at its accepted nodes. "ar"'s one node is node 0.
+        self.path = torch.zeros(keep, dtype=torch.long, device=device)
+        self.logprobs = RoundLogprobs(keep, device)
         # Two host copies of the summary, so that round r + 1's copy can be in flight while round
         # r's is read; pinned on CUDA (an asynchronous copy needs page-locked memory).
         cuda = torch.device(device).type == "cuda"
@@ -264,6 +273,7 @@ class Engine:
             return
         result = self.walk_fn(tree, bufs.choices)
         keep = result.order[: bufs.keep]
+        bufs.path.copy_(keep)
         self.target.commit(self.cache, self.n, keep, result.length, bufs.scratch)
         positions = self.n + bufs.offsets[: bufs.keep]
         self.drafter.append_context(bufs.features[keep], positions, self.draft_cache)
@@ -425,7 +435,9 @@ class Engine:
             logits = self._prefill(tokens, slice(p - 1, p), self.feature_layers if budget != AR else None)
         self.root.copy_(choose_tokens(logits, params, generator)[0])
         self._host_n = p
-        yield Step([int(self.root)], 0)  # host sync: the first token is needed now (time to first token)
+        first = int(self.root)  # host sync: the first token is needed now (time to first token)
+        k = params.logprobs
+        yield Step([first], 0, None if k is None else self._first_logprobs(logits, first, k))
 
         outputs = 1  # tokens yielded so far
         in_flight = None  # the launched round whose summary is not read yet: its host copy's index
@@ -440,8 +452,14 @@ class Engine:
                 a = summary[0]
                 self._host_n += a
                 outputs += a
-                yield Step(summary[2 : 1 + a] + [summary[-1]], a)
+                tokens = summary[2 : 1 + a] + [summary[-1]]
+                yield Step(tokens, a, None if k is None else bufs.logprobs.read(in_flight, tokens, k))
             in_flight = launched
+
+    def _first_logprobs(self, logits: torch.Tensor, first: int, k: int) -> list[TokenLogprob]:
+        """The prefill's token's log-prob, from its logits [1, V] (read at the first token's sync)."""
+        values = chosen_logprobs(logits.reshape(1, -1), self.root.reshape(1), k)
+        return as_token_logprobs([first], *(t.tolist() for t in values))
 
     def _launch_round(self, budget: TreeBudget, n_bound: int, params: SamplingParams,
                       generator: torch.Generator | None) -> int:
@@ -453,6 +471,8 @@ class Engine:
         self._run_back(budget)
         index = bufs.rounds % 2
         bufs.rounds += 1
+        if params.logprobs is not None:  # the raw log-probs of the choices at the kept nodes
+            bufs.logprobs.gather(logits, bufs.path, bufs.choices.index_select(0, bufs.path), params.logprobs, index)
         bufs.summary_host[index].copy_(bufs.summary, non_blocking=True)
         if bufs.summary_ready[index] is not None:
             bufs.summary_ready[index].record()

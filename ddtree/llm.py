@@ -16,6 +16,7 @@ import torch
 
 from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget, shown
 from ddtree.engine import Engine
+from ddtree.logprobs import TokenLogprob
 from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
@@ -45,9 +46,14 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token id
+
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.logprobs is None:  # only requests that asked for log-probs report them
+            del data["logprobs"]
+        return data
 
 
 @dataclass
@@ -57,6 +63,7 @@ class StreamEvent:
     token_ids: list[int]
     text: str
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token id
 
     @property
     def finished(self) -> bool:
@@ -225,6 +232,8 @@ class LLM:
         start = time.perf_counter()
         self.working_set.use(budget, pinned=(self.default_budget,))
         steps = self.engine.generate(prompt_ids, params, budget)
+        logprobs = [] if params.logprobs is not None else None
+        taken_logprobs = None
         try:
             for step in steps:
                 if step.acceptance_length:
@@ -233,17 +242,20 @@ class LLM:
                 else:
                     stats.time_to_first_token_s = time.perf_counter() - start
                 taken = out.add(step.tokens)
+                if logprobs is not None:
+                    taken_logprobs = step.logprobs[: len(taken)]
+                    logprobs += taken_logprobs
                 if out.finished:
                     break
-                yield StreamEvent(taken, out.text_delta())
+                yield StreamEvent(taken, out.text_delta(), logprobs=taken_logprobs)
         finally:
             steps.close()
         elapsed = time.perf_counter() - start
         if stats.acceptance_lengths:
             stats.mean_acceptance_length = sum(stats.acceptance_lengths) / len(stats.acceptance_lengths)
         stats.tokens_per_second = len(out.token_ids) / elapsed if elapsed > 0 else 0.0
-        result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats)
-        yield StreamEvent(taken, out.text_delta(), result)
+        result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats, logprobs)
+        yield StreamEvent(taken, out.text_delta(), result, taken_logprobs)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> GenerationResult:
         for event in self.stream(prompt, params, tree_budget):

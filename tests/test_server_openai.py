@@ -181,3 +181,56 @@ def test_api_key_unknown_model_and_n(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2, n=2)
     assert info.value.body["param"] == "n"
+
+
+@pytest.fixture(scope="module")
+def target_logprobs(server):
+    """prompt ids, tokens -> the served target's float64 log-softmax at each token's position."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(client_target(server), dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logprobs(prompt: list[int], tokens: list[int]):
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].double()
+        return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1], dim=-1)
+
+    return logprobs
+
+
+@pytest.mark.parametrize("budget", ["ar", "chain", 4, 64])
+def test_logprobs_are_the_targets_at_every_budget(server, client, target_logprobs, budget):
+    out = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=3,
+                                    logprobs=3, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                            "tree_budget": budget})
+    choice = out.choices[0]
+    ids, lp = choice.model_extra["token_ids"], choice.logprobs
+    expected = target_logprobs(choice.model_extra["prompt_token_ids"], ids)
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(ids) == 16
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == choice.text
+    for j, token in enumerate(ids):
+        assert abs(lp.token_logprobs[j] - float(expected[j, token])) < 1e-4
+        best = expected[j].topk(3)
+        assert sorted(lp.top_logprobs[j].values(), reverse=True)[:3] == pytest.approx(best.values.tolist(), abs=1e-4)
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"tree_budget": budget, "return_token_ids": True})
+    ids = chat.choices[0].model_extra["token_ids"]
+    expected = target_logprobs(chat.choices[0].model_extra["prompt_token_ids"], ids)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(ids)
+    for j, entry in enumerate(content):
+        assert abs(entry.logprob - float(expected[j, ids[j]])) < 1e-4 and bytes(entry.bytes).decode() == entry.token
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(expected[j].topk(2).values.tolist(), abs=1e-4)
+
+
+def test_streamed_logprobs_match_the_whole_response(server, client):
+    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0,
+                  logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True, "tree_budget": "chain"})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    plain = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None

@@ -21,8 +21,8 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.special_ids = set(hf_tokenizer.all_special_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=False)
@@ -40,10 +40,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         template = None if self.has_chat_template else DEFAULT_CHAT_TEMPLATE
         try:
-            text = self.hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja errors raised by the model's own template
             raise DDTreeError(f"chat template failed: {exc}", "messages") from None
         return self.encode(text)

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat, /health, /v1/models, /version, /metrics.
+"""The FastAPI app: OpenAI-compatible completions and chat, /health, /v1/models, /version, /metrics,
+and vLLM's /tokenize and /detokenize.
 
     app = create_app(llm, served_model_name="qwen3-8b")     # serve a loaded LLM
     app = create_app(None, served_model_name="qwen3-8b")    # /health answers 503 until
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ddtree
 from ddtree.config import DDTreeError, parse_tree_budget, shown
+from ddtree.server.ignored_fields import IgnoredFieldLog, unknown_fields
 from ddtree.server.json_body import JsonBodyError, JsonLimits, parse_json_body
 from ddtree.server.limits import ServerLimits
 from ddtree.server.metrics import ServerMetrics
@@ -43,12 +45,14 @@ from ddtree.server.protocol import (
     validation_error_body,
 )
 from ddtree.server.responses import Reply, sse
+from ddtree.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from ddtree.server.worker import LOADING, READY, EngineFailure, EngineUnavailable, EngineWorker, Job, QueueFull
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 PREPARE_THREADS = 2  # requests tokenized at once: tokenizing releases the GIL, but each takes a core
 RETRY_AFTER_LOADING_S = 5
 RETRY_AFTER_QUEUE_FULL_S = 1
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MESSAGES_PER_TURN = 256  # chat messages validated between two turns of the event loop
 _MESSAGE_LIST = TypeAdapter(list[ChatMessage])
 ERROR_RESPONSES = {400: {"model": ErrorResponse, "description": "invalid request"},
@@ -109,7 +113,8 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
     _add_error_handlers(app)
     _add_info_routes(app, worker, metrics, model_name, limits)
     _add_generation_routes(app, worker, model_name, limits)
-    _document_openapi(app, {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest})
+    _document_openapi(app, {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
+                            "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest})
     return app
 
 
@@ -232,8 +237,10 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def read_request(request: Request, model: type[SamplingFields], limits: JsonLimits) -> SamplingFields:
-    """The request body as `model`, parsed within `limits`; raises RequestRejected (400)."""
+async def read_request(request: Request, model: type[SamplingFields], limits: JsonLimits,
+                       ignored: IgnoredFieldLog | None = None) -> SamplingFields:
+    """The request body as `model`, parsed within `limits`; raises RequestRejected (400). Unknown
+    top-level fields are dropped, and their names noted in `ignored`."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json(content_type):
         raise RequestRejected(400, error_body(f"request body must be JSON (Content-Type: application/json), got "
@@ -242,7 +249,10 @@ async def read_request(request: Request, model: type[SamplingFields], limits: Js
         data = await parse_json_body(await request.body(), limits)
     except JsonBodyError as exc:
         raise RequestRejected(400, error_body(str(exc), param=exc.param, code=exc.code)) from None
-    if model is ChatCompletionRequest and isinstance(data, dict) and isinstance(data.get("messages"), list):
+    unknown = unknown_fields(data, model.model_fields)
+    if unknown and ignored is not None:
+        ignored.note(unknown, request.url.path, request.scope.get("state", {}).get("request_id", "-"))
+    if "messages" in model.model_fields and isinstance(data, dict) and isinstance(data.get("messages"), list):
         data = {**data, "messages": await _validated_messages(data["messages"])}
     try:
         return model.model_validate(data)
@@ -269,15 +279,22 @@ async def _validated_messages(messages: list) -> list:
 
 def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, limits: ServerLimits) -> None:
     prepare_slots: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
+    ignored_fields = IgnoredFieldLog()
+
+    async def read_body(request: Request, model: type[BaseModel]):
+        """The validated body (of the served model) and the LLM."""
+        llm = _ready_llm(worker)
+        json_limits = JsonLimits(limits.max_json_depth, limits.max_json_keys, limits.json_values(llm.max_model_len))
+        body = await read_request(request, model, json_limits, ignored_fields)
+        if body.model is not None and body.model != model_name:
+            raise ModelNotFound(f"model {shown(body.model)} does not exist; this server serves {model_name!r}")
+        return body, llm
 
     async def admit(request: Request, model: type[SamplingFields]):
         """The validated body and the LLM, once everything that needs no tokenizer has been checked."""
-        llm = _ready_llm(worker)
-        json_limits = JsonLimits(limits.max_json_depth, limits.max_json_keys, limits.json_values(llm.max_model_len))
-        body = await read_request(request, model, json_limits)
-        if body.model is not None and body.model != model_name:
-            raise ModelNotFound(f"model {shown(body.model)} does not exist; this server serves {model_name!r}")
+        body, llm = await read_body(request, model)
         body.check_stop_limits(limits.max_stop, limits.max_stop_chars)
+        _check_output_cap(body, limits.max_output_tokens)
         if body.tree_budget is not None:
             budget = parse_tree_budget(body.tree_budget)
             if isinstance(budget, int) and budget > limits.max_tree_budget and budget != llm.default_budget:
@@ -297,18 +314,20 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
         worker.submit(job)
         return job
 
+    _add_tokenize_routes(app, read_body, prepared)
+
     @app.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
         body, llm = await admit(request, CompletionRequest)
 
         def prepare():
             prompt_ids = _nonempty(llm.prompt_ids(body.single_prompt()))
-            params = body.sampling_params(default_max_tokens=16)
+            params = body.sampling_params(default_max_tokens=limits.capped(COMPLETION_MAX_TOKENS))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
         job = submit(request, prompt_ids, params, budget)
-        reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id)
+        reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.completion_chunks(job))
         result = await _collect(job, request)
@@ -320,17 +339,44 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
 
         def prepare():
             prompt_ids = _nonempty(llm.apply_chat_template(body.template_messages()))
-            room = max(llm.max_model_len - len(prompt_ids), 1)
-            params = body.sampling_params(default_max_tokens=room)
+            params = body.sampling_params(default_max_tokens=limits.default_output_tokens(llm.max_model_len - len(prompt_ids)))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
         job = submit(request, prompt_ids, params, budget)
-        reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id)
+        reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.chat_chunks(job))
         result = await _collect(job, request)
         return reply.chat(result) if result is not None else Response(status_code=499)
+
+
+def _add_tokenize_routes(app: FastAPI, read_body, prepared) -> None:
+    @app.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        body, llm = await read_body(request, TokenizeRequest)
+        return (await prepared(lambda: (tokenize(llm, body),)))[0]
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        body, llm = await read_body(request, DetokenizeRequest)
+        return (await prepared(lambda: (detokenize(llm, body),)))[0]
+
+
+def _check_output_cap(body: SamplingFields, cap: int | None) -> None:
+    """Refuse a max_tokens over the operator's --max-output-tokens."""
+    requested = body.requested_max_tokens()
+    if cap is not None and requested is not None and requested > cap:
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        raise DDTreeError(f"{param} {requested} is over this server's limit of {cap} output tokens "
+                          "(--max-output-tokens)", param)
+
+
+def _token_text(llm) -> Callable[[int], str]:
+    """A token id's text, for log-probs ("token_id:<id>" without a tokenizer, as vLLM writes it)."""
+    if llm.tokenizer is None:
+        return lambda token: f"token_id:{token}"
+    return lambda token: llm.tokenizer.decode([token])
 
 
 def _ready_llm(worker: EngineWorker):

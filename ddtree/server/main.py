@@ -31,6 +31,10 @@ LIMIT_FLAGS = {
                              "server's own default is always allowed)"),
     "max_cached_budgets": (int, "tree budgets besides the default whose buffers and graphs stay allocated; "
                                 "the least recently used beyond it are freed"),
+    "default_max_tokens": (int, "max_tokens of a chat request that names none (fewer when the context has less "
+                                "room; completions default to 16, as in OpenAI)"),
+    "max_output_tokens": (int, "most max_tokens a request may ask for; more is answered 400 (default: the "
+                               "context's room)"),
     "max_stop": (int, "most stop strings, and stop token ids, per request (more: 400)"),
     "max_stop_chars": (int, "longest stop string, in characters (longer: 400)"),
     "max_request_bytes": (int, "larger request bodies are answered 400"),

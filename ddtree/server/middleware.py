@@ -61,8 +61,11 @@ class RequestIdMiddleware:
                 await _json_error(500, internal_error_body(request_id))(scope, receive, send_with_id)
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # use the model, as /v1/* do: same key
+
+
 class ApiKeyMiddleware:
-    """401 for /v1/* requests without `Authorization: Bearer <key>`."""
+    """401 for /v1/*, /tokenize and /detokenize requests without `Authorization: Bearer <key>`."""
 
     def __init__(self, app, api_key: str):
         if not api_key:
@@ -71,7 +74,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 body = error_body("missing or incorrect API key: send 'Authorization: Bearer <key>'",

@@ -1,8 +1,11 @@
 """OpenAI request shapes for /v1/completions and /v1/chat/completions, and the error body.
 
-Requests are parsed strictly: `"5"` is not an integer, `1` is not a boolean and an unknown field is an
-error, so a typo answers 400 instead of silently falling back to a default. Fields OpenAI defines but
-ddtree does not implement (penalties, logprobs, echo, ...) are accepted only at their neutral value.
+Known fields are parsed strictly: `"5"` is not an integer and `1` is not a boolean, so a wrong value
+answers 400 instead of silently falling back to a default. Unknown top-level fields are ignored (the
+app logs their names, ddtree.server.ignored_fields), as OpenAI clients send fields of their own; inside
+messages an unknown key stays an error, since dropping part of a message would change the prompt.
+Fields OpenAI defines but ddtree does not implement (penalties, echo, ...) are accepted only at their
+neutral value.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ddtree.config import DDTreeError, SamplingParams, shown
+from ddtree.logprobs import MAX_LOGPROBS
 
 MAX_SEED = 2**64 - 1  # the largest seed torch.Generator accepts
 
@@ -31,17 +35,24 @@ Int = integer()
 PositiveInt = integer(ge=1)
 TopK = integer(ge=-1)
 Seed = integer(ge=0, le=MAX_SEED)
+TopLogprobs = integer(ge=0, le=MAX_LOGPROBS)
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(StrictModel):
+class LenientModel(BaseModel):
+    """Strict about the fields it knows; ignores the others (the app logs them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(LenientModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(LenientModel):
     """Fields shared by both endpoints."""
 
     model: Optional[str] = Field(None, description="the served model name (default: the only one served)")
@@ -100,7 +111,12 @@ class SamplingFields(StrictModel):
             stop=[] if self.stop is None else self.stop,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
         )
+
+    def requested_logprobs(self) -> int | None:
+        """None, or how many top alternatives each emitted token's log-prob comes with."""
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -128,13 +144,15 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[Int], list[str], list[list[Int]]] = Field(
         ..., description="text or token ids; a list holding one prompt is accepted too")
     echo: bool = False
-    logprobs: Optional[Int] = None
+    logprobs: Optional[TopLogprobs] = Field(None, description="the emitted tokens' log-probs and this many top alternatives")
     best_of: Optional[Int] = None
     suffix: Optional[str] = None
 
     def neutral_only(self) -> dict[str, tuple[Any, tuple]]:
-        return {**super().neutral_only(), "echo": (self.echo, (False,)), "logprobs": (self.logprobs, (None, 0)),
-                "best_of": (self.best_of, (None, 1)), "suffix": (self.suffix, (None,))}
+        return {**super().neutral_only(), "echo": (self.echo, (False,)), "best_of": (self.best_of, (None, 1)), "suffix": (self.suffix, (None,))}
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt as text or token ids; a batch of several prompts is rejected."""
@@ -165,12 +183,16 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[PositiveInt] = Field(None, description="preferred over max_tokens when both are set")
-    logprobs: bool = False
-    top_logprobs: Optional[Int] = None
+    logprobs: Optional[bool] = Field(False, description="return the emitted tokens' log-probs")
+    top_logprobs: Optional[TopLogprobs] = Field(None, description="with logprobs: this many top alternatives")
 
-    def neutral_only(self) -> dict[str, tuple[Any, tuple]]:
-        return {**super().neutral_only(), "logprobs": (self.logprobs, (False,)),
-                "top_logprobs": (self.top_logprobs, (None, 0))}
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise DDTreeError("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -6,11 +6,12 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
 from ddtree.config import DDTreeError
+from ddtree.server.logprobs_format import LogprobsFormatter
 from ddtree.server.middleware import internal_error_body
 from ddtree.server.protocol import SamplingFields, error_body
 from ddtree.server.worker import EngineFailure, EngineUnavailable, Job
@@ -32,7 +33,8 @@ class Reply:
     """Builds the OpenAI response bodies and stream chunks of one request."""
 
     def __init__(self, prefix: str, obj: str, model: str, body: SamplingFields, prompt_ids: list[int],
-                 request_id: str | None = None):
+                 request_id: str | None = None, token_text: Callable[[int], str] = lambda t: f"token_id:{t}"):
+        """token_text: a token id's text, for log-probs."""
         self.request_id = request_id or uuid.uuid4().hex
         self.id = f"{prefix}-{self.request_id}"
         self.object = obj
@@ -40,6 +42,7 @@ class Reply:
         self.model = model
         self.body = body
         self.prompt_ids = prompt_ids
+        self.logprobs = LogprobsFormatter(token_text) if body.requested_logprobs() is not None else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -56,16 +59,22 @@ class Reply:
                 choice["prompt_token_ids"] = list(self.prompt_ids)
         return choice
 
+    def _logprobs(self, logprobs, chat: bool) -> dict | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        return self.logprobs.chat(logprobs) if chat else self.logprobs.completion(logprobs)
+
     # -- whole responses ---------------------------------------------------------------------
 
     def completion(self, result) -> dict:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs, chat=False),
+                  "finish_reason": result.finish_reason}
         return {**self._head("text_completion"), "choices": [self._ids(choice, result.token_ids, True)],
                 "usage": self._usage(result), "ddtree": asdict(result.stats)}
 
     def chat(self, result) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                  "finish_reason": result.finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "logprobs": self._logprobs(result.logprobs, chat=True), "finish_reason": result.finish_reason}
         return {**self._head("chat.completion"), "choices": [self._ids(choice, result.token_ids, True)],
                 "usage": self._usage(result), "ddtree": asdict(result.stats)}
 
@@ -110,7 +119,8 @@ class Reply:
                 yield event
                 return
             finish = event.result.finish_reason if event.result is not None else None
-            choice = self._ids({"index": 0, "text": event.text, "logprobs": None, "finish_reason": finish},
+            choice = self._ids({"index": 0, "text": event.text, "logprobs": self._logprobs(event.logprobs, chat=False),
+                                "finish_reason": finish},
                                event.token_ids, first)
             first = False
             chunk = {**self._head("text_completion"), "choices": [choice]}
@@ -128,7 +138,8 @@ class Reply:
                 return
             finish = event.result.finish_reason if event.result is not None else None
             delta = {"content": event.text} if event.text or finish is None else {}
-            choice = self._ids({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish},
+            choice = self._ids({"index": 0, "delta": delta, "logprobs": self._logprobs(event.logprobs, chat=True),
+                                "finish_reason": finish},
                                event.token_ids, first)
             first = False
             chunk = {**head, "choices": [choice]}
