@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,15 +17,17 @@ import torch
 
 from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
 from ddtree.engine import Engine
+from ddtree.flags import parse_device
+from ddtree.model_pair import (  # noqa: F401 (DEFAULT_DRAFT: the demo drafter, for callers)
+    DEFAULT_DRAFT, DEFAULT_TARGET, context_limit, default_drafter, needs_drafter_error, no_drafter_warning)
 from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
 
-REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_TARGET = REPO_MODELS / "demo-target"
-DEFAULT_DRAFT = REPO_MODELS / "demo-drafter"
 DEFAULT_TREE_BUDGET: TreeBudget = 64
+
+log = logging.getLogger("ddtree")
 
 
 @dataclass
@@ -76,7 +79,7 @@ class LLM:
         *,
         device: str | None = None,
         dtype: str | None = None,
-        tree_budget: TreeBudget = DEFAULT_TREE_BUDGET,
+        tree_budget: TreeBudget | None = None,
         max_model_len: int | None = None,
         use_draft: bool = True,
         use_graphs: bool | None = None,
@@ -86,30 +89,33 @@ class LLM:
         padded_prefill: bool | None = None,
         overlap: bool = True,
     ):
+        """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
+        (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
+        `tree_budget=None` is 64 with a drafter and `ar` without."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
-        self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
-        self.device = torch.device(device or default_device())
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DDTreeError("device 'cuda' was asked for but no CUDA GPU is available", "device")
+        self.draft_path = None
+        if use_draft:
+            self.draft_path = Path(draft) if draft is not None else default_drafter(self.target_path)
+        self.device = torch.device(parse_device(device) if device is not None else default_device())
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = parse_dtype(dtype)
-        self.default_budget = parse_tree_budget(tree_budget)
+        if tree_budget is None:
+            self.default_budget = DEFAULT_TREE_BUDGET if self.draft_path is not None else AR
+        else:
+            self.default_budget = parse_tree_budget(tree_budget)
+            if self.default_budget != AR and self.draft_path is None:
+                raise needs_drafter_error(self.default_budget)
 
         cfg = TargetConfig.from_dir(self.target_path)
-        limit = cfg.max_position_embeddings
-        if max_model_len is not None:
-            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
-                raise DDTreeError(f"max_model_len must be an integer in [2, {limit}] for this target, got {max_model_len!r}",
-                                  "max_model_len")
-            limit = max_model_len
+        limit = context_limit(cfg, max_model_len)
+        if use_draft and self.draft_path is None:
+            log.warning(no_drafter_warning(self.target_path))
         self.max_model_len = limit
         positions = limit + MAX_TREE_BUDGET + 1
         self.target = load_target(self.target_path, self.device, self.dtype, positions)
         self.drafter = None
         if self.draft_path is not None:
             self.drafter = load_drafter(self.draft_path, cfg, self.device, self.dtype, positions)
-        elif self.default_budget != AR:
-            self.default_budget = AR
         self.tokenizer: Tokenizer | None = load_tokenizer(self.target_path)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size

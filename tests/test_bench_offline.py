@@ -77,7 +77,7 @@ def test_offline_concurrency_levels_and_chat_prompts(demo_pair, tmp_path):
     (["--offline", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--offline", "--temperature", "-1"], "temperature must be >= 0"),
     (["--offline", "--dataset", "nowhere.jsonl"], "neither a file nor one of the built-in sets"),
-    (["--base-url", "http://127.0.0.1:9", "--target", "x"], "--target only apply with --offline"),
+    (["--base-url", "http://127.0.0.1:9", "--target", "."], "--target only apply with --offline"),
     (["--base-url", "ftp://127.0.0.1:9"], "must start with http"),
     (["--offline", "--model", "m"], "--model only applies with --base-url"),
 ])

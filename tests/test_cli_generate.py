@@ -173,8 +173,10 @@ BAD_ARGS = {
     "corrupt-drafter-weights": ([], "target", "corrupt-draft-weights", ["drafter", "corrupt weight file"]),
     "missing-shard": ([], "missing-shard", "draft", ["missing weight shard"]),
     "weight-shape-mismatch": ([], "shape-mismatch", "draft", ["shape"]),
-    "target-not-a-directory": ([], "/nonexistent/target-dir", "draft", ["/nonexistent/target-dir", "not a directory"]),
-    "drafter-not-a-directory": ([], "target", "/nonexistent/draft-dir", ["/nonexistent/draft-dir", "not a directory"]),
+    "target-not-a-directory": ([], "/nonexistent/target-dir", "draft",
+                               ["--target", "/nonexistent/target-dir", "no such directory"]),
+    "drafter-not-a-directory": ([], "target", "/nonexistent/draft-dir",
+                                ["--draft", "/nonexistent/draft-dir", "no such directory"]),
 }
 
 

@@ -9,7 +9,8 @@ import os
 import shlex
 from pathlib import Path
 
-from ddtree.config import DDTreeError, TreeBudget, parse_tree_budget
+from ddtree.config import AR, DDTreeError, TreeBudget, parse_tree_budget
+from ddtree.flags import POSITIVE_NUMBER
 
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
@@ -101,10 +102,24 @@ def effective_command(args: argparse.Namespace, name: str) -> str:
     return shlex.join(words)
 
 
-def load_llm(args: argparse.Namespace):
+def drafter_for(args: argparse.Namespace, budgets: list[TreeBudget]) -> Path | None:
+    """The drafter an offline sweep loads: --draft, or the demo drafter for the demo target; without
+    one only `ar` can be measured, which is said before anything loads."""
+    from ddtree.model_pair import default_drafter
+
+    draft = args.draft or default_drafter(args.target)
+    needing = [str(b) for b in budgets if b != AR]
+    if draft is None and needing:
+        raise DDTreeError(f"tree budgets {', '.join(needing)} need a drafter: pass --draft DIR (the demo drafter "
+                          f"only pairs with the demo target), or --tree-budgets ar", "draft")
+    return draft
+
+
+def load_llm(args: argparse.Namespace, draft: Path | None):
     from ddtree.llm import LLM
 
-    return LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    return LLM(args.target, draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               use_draft=draft is not None)
 
 
 def _console():
@@ -136,11 +151,6 @@ async def _sweep(backend, prompts, settings, progress: bool):
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ddtree.bench.datasets import load_prompts
-    from ddtree.bench.machine import git_revision, machine_info
-    from ddtree.bench.plot import plot_sweep
-    from ddtree.bench.report import finish
-    from ddtree.bench.runner import LiveBackend, OfflineBackend
-    from ddtree.bench.table import print_report
 
     if args.base_url is not None:
         given = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is not None]
@@ -150,9 +160,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise DDTreeError("--model only applies with --base-url")
     settings = settings_from(args)
     _check_output_paths(args)
+    draft = drafter_for(args, settings.tree_budgets) if args.offline else None
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+
+    from ddtree.bench.machine import git_revision, machine_info
+    from ddtree.bench.plot import plot_sweep
+    from ddtree.bench.report import finish
+    from ddtree.bench.runner import LiveBackend, OfflineBackend
+    from ddtree.bench.table import print_report
+
     if args.offline:
-        llm = load_llm(args)
+        llm = load_llm(args, draft)
         backend = OfflineBackend(llm)
         machine = machine_info(llm.device)
     else:
@@ -190,17 +208,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from ddtree.bench.datasets import load_prompts
+
+    if drafter_for(args, []) is None:
+        raise DDTreeError("ddtree tune needs a drafter: pass --draft DIR (the demo drafter only pairs with the "
+                          "demo target)", "draft")
+    settings = settings_from(args)
+    _check_output_paths(args)
+    prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+
     from ddtree.bench.report import finish
     from ddtree.bench.runner import OfflineBackend
     from ddtree.bench.table import print_report
     from ddtree.bench.tune import tune_file_path, tune_record, write_tune_file
 
-    settings = settings_from(args)
-    _check_output_paths(args)
-    prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
-    llm = load_llm(args)
-    if llm.drafter is None:
-        raise DDTreeError("ddtree tune needs a drafter (--draft)", "draft")
+    llm = load_llm(args, drafter_for(args, settings.tree_budgets))
     output = Path(args.output) if args.output else tune_file_path(llm.draft_path)
     sweep = asyncio.run(_sweep(OfflineBackend(llm), prompts, settings, not args.no_progress))
     report = finish(sweep.rows, sweep.texts, settings.greedy, [p.id for p in prompts])
@@ -224,7 +245,7 @@ def register(subparsers) -> None:
     where.add_argument("--offline", action="store_true", help="the in-process engine (model flags below)")
     bench.add_argument("--model", default=None, help="model name sent to the server (default: its first)")
     bench.add_argument("--api-key", default=None, help="bearer key for the server (default: $OPENAI_API_KEY)")
-    bench.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    bench.add_argument("--request-timeout", type=POSITIVE_NUMBER, default=600.0, help="seconds per request (default 600)")
     add_sweep_args(bench, num_prompts=32, max_tokens=128)
     bench.add_argument("--output", default=None, help="write the results as JSON to this file")
     bench.add_argument("--plot", default=None, help="write tokens/s and acceptance length against budget to this PNG")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from ddtree.cli import add_model_args
 from ddtree.config import AR, DDTreeError, parse_tree_budget
+from ddtree.flags import PORT, int_at_least
+from ddtree.model_pair import check_budget_has_drafter, check_pair_configs
 
 log = logging.getLogger("ddtree.server")
 
@@ -35,13 +37,13 @@ def register(subparsers) -> None:
                                           "environment variable DDTREE_<FLAG> (e.g. DDTREE_API_KEY).")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--tree-budget", default=None,
                    help="default budget of requests that name none: ar, chain, an integer >= 1, or auto "
                         "(measure on this machine at start-up; default 64)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (prefer DDTREE_API_KEY)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", type=int_at_least(1), default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies are answered 400 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--warmup", action="store_true",
@@ -87,12 +89,15 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
+    check_budget_has_drafter(budget, args.target, args.draft)
+    check_pair_configs(args.target, args.draft, args.max_model_len)  # before the port opens, not behind it
+
     import uvicorn
 
     from ddtree.llm import DEFAULT_TARGET
     from ddtree.server.app import create_app
 
-    budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
     if args.max_request_bytes < 1:
         raise DDTreeError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     warmup = flag_enabled(args.warmup, "warmup")
