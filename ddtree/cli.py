@@ -11,7 +11,7 @@ import shlex
 import sys
 
 from ddtree.config import DDTreeError
-from ddtree.flags import DEVICE, MODEL_DIRECTORY, OneLineErrorParser, int_at_least
+from ddtree.flags import DEVICE, MODEL_DIRECTORY, TOP_K, OneLineErrorParser, int_at_least
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -30,12 +30,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 decodes greedily (default); above 0 samples, exactly as the target alone would")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    parser.add_argument("--top-k", type=TOP_K, default=0,
+                        help="sample among the k likeliest tokens (default 0: off; -1 also means off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for a reproducible sample at T > 0")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the text just before this string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -54,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     budget = parse_tree_budget(args.tree_budget) if args.tree_budget is not None else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
     prompt = _token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else args.prompt
     check_budget_has_drafter(budget, args.target, args.draft)
     check_pair_configs(args.target, args.draft, args.max_model_len)
@@ -93,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate from one prompt")
     add_model_args(gen)
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="def fib(n):")
+    src.add_argument("--prompt", default="def fib(n):", help="the prompt text (default 'def fib(n):')")
     src.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
     add_sampling_args(gen)
     gen.add_argument("--tree-budget", default=None,

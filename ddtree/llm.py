@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
@@ -26,6 +26,7 @@ from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
 
 DEFAULT_TREE_BUDGET: TreeBudget = 64
+Prompt = Union[str, list[int], dict]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 log = logging.getLogger("ddtree")
 
@@ -153,7 +154,16 @@ class LLM:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self._require_tokenizer().apply_chat_template(messages)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of one prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict):
+            if set(prompt) == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise DDTreeError(f"a prompt dict holds 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}",
+                                  "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise DDTreeError("prompt must not be empty", "prompt")
@@ -195,7 +205,7 @@ class LLM:
         graph is captured the first time a request reaches its KV-length bucket)."""
         self.engine.capture_all(self._budget(tree_budget))
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""
         params = params or SamplingParams()
         prompt_ids = self.prompt_ids(prompt)
@@ -225,8 +235,42 @@ class LLM:
         result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats)
         yield StreamEvent(taken, out.text_delta(), result)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> GenerationResult:
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 tree_budget: object = None) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> its GenerationResult; a list of prompts (as vLLM's `LLM.generate` takes) -> a
+        list of results in the same order, with one SamplingParams for all or one per prompt.
+
+        A list of integers is one prompt's token ids; a list of strings, of token-id lists or of
+        prompt dicts is several prompts. Every prompt of a list is checked before any is run."""
+        if not is_prompt_list(prompts):
+            if isinstance(params, (list, tuple)):
+                raise DDTreeError("a list of sampling params needs a list of prompts", "params")
+            return self._generate_one(prompts, params, tree_budget)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise DDTreeError(f"{len(params)} sampling params for {len(prompts)} prompts", "params")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(prompts)
+        per_prompt = [p or SamplingParams() for p in per_prompt]
+        ids = []
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            try:
+                ids.append(self.prompt_ids(prompt))
+                self.check_request(ids[-1], p, tree_budget)
+            except DDTreeError as exc:
+                raise DDTreeError(f"prompt {index}: {exc}", exc.param) from None
+        return [self._generate_one(i, p, tree_budget) for i, p in zip(ids, per_prompt)]
+
+    def _generate_one(self, prompt: Prompt, params: SamplingParams | None, tree_budget: object) -> GenerationResult:
         for event in self.stream(prompt, params, tree_budget):
             if event.result is not None:
                 return event.result
         raise RuntimeError("generation ended without a result")
+
+
+def is_prompt_list(prompts: object) -> bool:
+    """True for several prompts (a list of strings, token-id lists or prompt dicts); False for one
+    prompt, token ids included: a list of integers is one prompt, as in vLLM."""
+    return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+            and all(isinstance(p, (str, list, tuple, dict)) for p in prompts))

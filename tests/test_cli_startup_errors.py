@@ -73,6 +73,7 @@ MISTAKES = {
     "serve-max-request-bytes": (["serve", "--max-request-bytes", "0"], ["--max-request-bytes"]),
     "generate-max-model-len-one": (["generate", "--max-model-len", "1"], ["--max-model-len"]),
     "generate-bad-dtype": (["generate", "--dtype", "fp8"], ["--dtype", "fp8"]),
+    "generate-top-k-below-minus-one": (["generate", "--top-k", "-2"], ["--top-k", "-2"]),
     "generate-budget-without-drafter": (["generate", "--target", "{repo}/models/demo-drafter", "--tree-budget", "chain"],
                                         ["tree budget chain needs a drafter"]),
     "generate-unknown-flag": (["generate", "--frobnicate", "5"], ["unrecognized arguments", "--frobnicate"]),
