@@ -28,7 +28,8 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, batch: int, ev
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop this run at this step (checkpoint kept; --resume continues the same schedule)")
     g.add_argument("--time-limit", type=float, default=None,
-                   help="stop after this many seconds since the command started (checkpoint kept, outputs written)")
+                   help="stop after this many seconds since the command started (checkpoint kept, outputs written; "
+                        "train-drafter's data generation takes about half of it)")
     g.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default runs/<out name>-checkpoint)")
     g.add_argument("--resume", action="store_true", help="continue the run saved in the checkpoint folder")
     g.add_argument("--device", default=None, type=DEVICE, help="cpu or cuda (default: cuda when available); bf16 autocast on cuda")
