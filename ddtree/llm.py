@@ -7,26 +7,30 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
 from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget, shown
 from ddtree.engine import Engine
 from ddtree.logprobs import TokenLogprob
+from ddtree.flags import parse_device
+from ddtree.model_pair import (  # noqa: F401 (DEFAULT_DRAFT: the demo drafter, for callers)
+    DEFAULT_DRAFT, DEFAULT_TARGET, context_limit, default_drafter, needs_drafter_error, no_drafter_warning)
 from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
 from ddtree.working_set import BudgetWorkingSet
 
-REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_TARGET = REPO_MODELS / "demo-target"
-DEFAULT_DRAFT = REPO_MODELS / "demo-drafter"
 DEFAULT_TREE_BUDGET: TreeBudget = 64
+Prompt = Union[str, list[int], dict]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
+
+log = logging.getLogger("ddtree")
 
 
 @dataclass
@@ -84,7 +88,7 @@ class LLM:
         *,
         device: str | None = None,
         dtype: str | None = None,
-        tree_budget: TreeBudget = DEFAULT_TREE_BUDGET,
+        tree_budget: TreeBudget | None = None,
         max_model_len: int | None = None,
         use_draft: bool = True,
         use_graphs: bool | None = None,
@@ -95,32 +99,35 @@ class LLM:
         overlap: bool = True,
         max_cached_budgets: int | None = None,
     ):
-        """max_cached_budgets: how many tree budgets besides the default keep their buffers and
+        """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
+        (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
+        `tree_budget=None` is 64 with a drafter and `ar` without.
+        max_cached_budgets: how many tree budgets besides the default keep their buffers and
         graphs between requests (least recently used beyond it are freed; None keeps every one)."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
-        self.draft_path = (Path(draft) if draft is not None else DEFAULT_DRAFT) if use_draft else None
-        self.device = torch.device(device or default_device())
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DDTreeError("device 'cuda' was asked for but no CUDA GPU is available", "device")
+        self.draft_path = None
+        if use_draft:
+            self.draft_path = Path(draft) if draft is not None else default_drafter(self.target_path)
+        self.device = torch.device(parse_device(device) if device is not None else default_device())
         dtype = dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = parse_dtype(dtype)
-        self.default_budget = parse_tree_budget(tree_budget)
+        if tree_budget is None:
+            self.default_budget = DEFAULT_TREE_BUDGET if self.draft_path is not None else AR
+        else:
+            self.default_budget = parse_tree_budget(tree_budget)
+            if self.default_budget != AR and self.draft_path is None:
+                raise needs_drafter_error(self.default_budget)
 
         cfg = TargetConfig.from_dir(self.target_path)
-        limit = cfg.max_position_embeddings
-        if max_model_len is not None:
-            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:
-                raise DDTreeError(f"max_model_len must be an integer in [2, {limit}] for this target, got {max_model_len!r}",
-                                  "max_model_len")
-            limit = max_model_len
+        limit = context_limit(cfg, max_model_len)
+        if use_draft and self.draft_path is None:
+            log.warning(no_drafter_warning(self.target_path))
         self.max_model_len = limit
         positions = limit + MAX_TREE_BUDGET + 1
         self.target = load_target(self.target_path, self.device, self.dtype, positions)
         self.drafter = None
         if self.draft_path is not None:
             self.drafter = load_drafter(self.draft_path, cfg, self.device, self.dtype, positions)
-        elif self.default_budget != AR:
-            self.default_budget = AR
         self.tokenizer: Tokenizer | None = load_tokenizer(self.target_path)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
@@ -176,7 +183,16 @@ class LLM:
             raise DDTreeError(f"the prompt is {chars} characters; no text over {limit} characters fits in the "
                               f"context limit of {self.max_model_len} tokens", param)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of one prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict):
+            if set(prompt) == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise DDTreeError(f"a prompt dict holds 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}",
+                                  "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise DDTreeError("prompt must not be empty", "prompt")
@@ -221,7 +237,7 @@ class LLM:
         self.working_set.use(budget, pinned=(self.default_budget,))
         self.engine.capture_all(budget)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, tree_budget: object = None) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per engine step (the prefill's first token, then each round)."""
         params = params or SamplingParams()
         prompt_ids = self.prompt_ids(prompt)
@@ -257,8 +273,42 @@ class LLM:
         result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats, logprobs)
         yield StreamEvent(taken, out.text_delta(), result, taken_logprobs)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, tree_budget: object = None) -> GenerationResult:
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 tree_budget: object = None) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> its GenerationResult; a list of prompts (as vLLM's `LLM.generate` takes) -> a
+        list of results in the same order, with one SamplingParams for all or one per prompt.
+
+        A list of integers is one prompt's token ids; a list of strings, of token-id lists or of
+        prompt dicts is several prompts. Every prompt of a list is checked before any is run."""
+        if not is_prompt_list(prompts):
+            if isinstance(params, (list, tuple)):
+                raise DDTreeError("a list of sampling params needs a list of prompts", "params")
+            return self._generate_one(prompts, params, tree_budget)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise DDTreeError(f"{len(params)} sampling params for {len(prompts)} prompts", "params")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(prompts)
+        per_prompt = [p or SamplingParams() for p in per_prompt]
+        ids = []
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            try:
+                ids.append(self.prompt_ids(prompt))
+                self.check_request(ids[-1], p, tree_budget)
+            except DDTreeError as exc:
+                raise DDTreeError(f"prompt {index}: {exc}", exc.param) from None
+        return [self._generate_one(i, p, tree_budget) for i, p in zip(ids, per_prompt)]
+
+    def _generate_one(self, prompt: Prompt, params: SamplingParams | None, tree_budget: object) -> GenerationResult:
         for event in self.stream(prompt, params, tree_budget):
             if event.result is not None:
                 return event.result
         raise RuntimeError("generation ended without a result")
+
+
+def is_prompt_list(prompts: object) -> bool:
+    """True for several prompts (a list of strings, token-id lists or prompt dicts); False for one
+    prompt, token ids included: a list of integers is one prompt, as in vLLM."""
+    return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+            and all(isinstance(p, (str, list, tuple, dict)) for p in prompts))

@@ -8,7 +8,8 @@
 # Writes models/demo-target, models/demo-drafter (each with README.md) and
 # benchmarks/results/demo-acceptance.json; a smoke run writes under runs/demo-smoke/ instead.
 # Environment: DEVICE (cuda / cpu), CORPUS (a folder of .py files instead of the standard library),
-# HELD_OUT (held-out fraction, default 0.02), PYTHON (default python3), ROOT (checkpoint folder),
+# HELD_OUT (held-out fraction, default 0.02), PYTHON (default: the active virtualenv's python, else
+# ./.venv/bin/python as scripts/install.sh makes it, else python3), ROOT (checkpoint folder),
 # TARGET_OUT / DRAFT_OUT / EVAL_OUT (outputs), EXTRA_TARGET_ARGS / EXTRA_DRAFT_ARGS (appended to a
 # stage's flags; the last of a repeated flag wins, e.g. EXTRA_DRAFT_ARGS="--steps 1000").
 # Needs only torch, transformers, tokenizers, safetensors and tqdm; no network. Each stage has a
@@ -16,7 +17,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-PY=${PYTHON:-python3}
+# The python that has ddtree's dependencies: an activated virtualenv, else the README's ./.venv.
+if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON
+elif [[ -n "${VIRTUAL_ENV:-}" && -x "$VIRTUAL_ENV/bin/python" ]]; then PY=$VIRTUAL_ENV/bin/python
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3
+fi
+if ! "$PY" -c "import torch, transformers, tokenizers" 2>/dev/null; then
+  echo "scripts/train_demo.sh: $PY lacks torch, transformers or tokenizers: run 'bash scripts/install.sh' first," \
+       "or set PYTHON to a python that has them" >&2
+  exit 2
+fi
 DATA=(--held-out-fraction "${HELD_OUT:-0.02}")
 [[ -n "${CORPUS:-}" ]] && DATA+=(--corpus "$CORPUS")
 

@@ -47,7 +47,8 @@ def test_acceptance_from_metrics_equals_the_responses(server, monkeypatch):
     import asyncio
 
     from ddtree.bench.datasets import load_prompts
-    from ddtree.bench.runner import SweepSettings, run_sweep
+    from ddtree.bench.runner import SweepSettings
+    from ddtree.bench.sweep import run_sweep
 
     prompts = load_prompts("stdlib", 3)
     settings = SweepSettings(tree_budgets=["ar", 16], max_tokens=12, warmup=0)

@@ -28,8 +28,12 @@ def test_offline_sweep_writes_json_png_and_table(demo_pair, tmp_path, capsys):
                  "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "median tok/s" in printed and "recommended tree budget at concurrency 1:" in printed
+    assert "tok/s med" in printed and "recommended tree budget at concurrency 1:" in printed
+    table = [line for line in printed.splitlines() if not line.startswith(("recommended", "results", "plot"))]
+    assert len(table) == 2 + 4 and max(len(line) for line in table) <= 100
     result = json.loads(out.read_text())
+    assert result["interrupted"] is False and result["skipped"] == []
+    assert set(result["warmup_seconds"]) == {"ar", "chain", "4", "16"} and result["predicted_seconds"] > 0
     assert plot.read_bytes().startswith(PNG_MAGIC)
     assert socket.gethostname() not in out.read_text()
     assert result["command"].startswith("ddtree bench") and "--offline" in result["command"]
@@ -77,7 +81,7 @@ def test_offline_concurrency_levels_and_chat_prompts(demo_pair, tmp_path):
     (["--offline", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--offline", "--temperature", "-1"], "temperature must be >= 0"),
     (["--offline", "--dataset", "nowhere.jsonl"], "neither a file nor one of the built-in sets"),
-    (["--base-url", "http://127.0.0.1:9", "--target", "x"], "--target only apply with --offline"),
+    (["--base-url", "http://127.0.0.1:9", "--target", "."], "--target only apply with --offline"),
     (["--base-url", "ftp://127.0.0.1:9"], "must start with http"),
     (["--offline", "--model", "m"], "--model only applies with --base-url"),
 ])

@@ -135,3 +135,30 @@ def test_pick_for_concurrency_and_bad_files(tmp_path):
     blocker.write_text("")
     with pytest.raises(DDTreeError, match="cannot write the tune file"):
         write_tune_file({}, blocker / "sub" / TUNE_FILE)
+
+
+def test_interrupted_tune_writes_what_it_measured(demo_pair, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of `ddtree tune`: the budgets measured so far make the tune file (marked
+    interrupted), the rows stay printed, and the exit code is 130."""
+    import ddtree.bench.sweep as sweep_module
+
+    real_run_one = sweep_module.run_one
+    calls = []
+
+    async def interrupt_on_the_second_run(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return await real_run_one(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "run_one", interrupt_on_the_second_run)
+    out = tmp_path / "tune.json"
+    code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(demo_pair[1]), "--device", "cpu",
+                 "--tree-budgets", "ar,chain,8", "--num-prompts", "2", "--max-tokens", "6", "--output", str(out),
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 130 and calls == ["ar", "chain"]
+    record = read_tune_file(out)
+    assert record["interrupted"] is True and record["median_tokens_per_second"]["1"].keys() == {"ar"}
+    assert record["recommendations"][0]["tree_budget"] == "ar"
+    assert "interrupted: 1 of 3 runs measured" in printed and "tune file written" in printed

@@ -141,6 +141,27 @@ def test_text_prompt_and_plain_output(demo_pair, capsys):
     assert len(summary) == 1 and f"{len(expected.token_ids)} tokens" in summary[0] and "budget=chain" in summary[0]
 
 
+def test_stop_strings_and_top_k_minus_one(demo_pair, capsys):
+    """--stop ends the text just before the string (repeatable); --top-k -1 is off, like 0 (as in the server)."""
+    target, draft = demo_pair
+    base = ["--target", str(target), "--draft", str(draft), "--device", "cpu", "--prompt", "def fib(n):",
+            "--max-tokens", "24", "--ignore-eos", "--tree-budget", "chain", "--json"]
+    code, out, err = run_in_process(capsys, *base)
+    assert code == 0, err
+    full = json.loads(out)["text"]
+    assert len(full) > 8
+    stop = full[5:8]
+    code, out, err = run_in_process(capsys, *base, "--stop", "never in the text", "--stop", stop)
+    stopped = json.loads(out)
+    assert code == 0 and stopped["finish_reason"] == "stop" and stopped["text"] == full[:full.index(stop)]
+    sampled = {}
+    for top_k in ("-1", "0"):
+        code, out, err = run_in_process(capsys, *base, "--temperature", "0.9", "--seed", "3", "--top-k", top_k)
+        assert code == 0, err
+        sampled[top_k] = json.loads(out)["token_ids"]
+    assert sampled["-1"] == sampled["0"]
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 BAD_ARGS = {
@@ -173,8 +194,10 @@ BAD_ARGS = {
     "corrupt-drafter-weights": ([], "target", "corrupt-draft-weights", ["drafter", "corrupt weight file"]),
     "missing-shard": ([], "missing-shard", "draft", ["missing weight shard"]),
     "weight-shape-mismatch": ([], "shape-mismatch", "draft", ["shape"]),
-    "target-not-a-directory": ([], "/nonexistent/target-dir", "draft", ["/nonexistent/target-dir", "not a directory"]),
-    "drafter-not-a-directory": ([], "target", "/nonexistent/draft-dir", ["/nonexistent/draft-dir", "not a directory"]),
+    "target-not-a-directory": ([], "/nonexistent/target-dir", "draft",
+                               ["--target", "/nonexistent/target-dir", "no such directory"]),
+    "drafter-not-a-directory": ([], "target", "/nonexistent/draft-dir",
+                                ["--draft", "/nonexistent/draft-dir", "no such directory"]),
 }
 
 

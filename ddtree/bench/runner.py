@@ -2,8 +2,7 @@
 (`LiveBackend`, streaming over HTTP) or to the in-process engine (`OfflineBackend`, through
 `ddtree.llm.LLM.stream`, the call the server makes).
 
-`run_sweep` runs every (concurrency, tree budget) pair in turn: `warmup` untimed requests, then
-all prompts with at most `concurrency` requests in flight, and summarizes each run into a row.
+`ddtree.bench.sweep.run_sweep` drives them through every (concurrency, tree budget) pair.
 """
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from tqdm import tqdm
 
 from ddtree.bench.datasets import BenchPrompt
-from ddtree.bench.report import AcceptanceCounts, RequestOutput, summarize
+from ddtree.bench.report import AcceptanceCounts, RequestOutput
 from ddtree.config import DDTreeError, SamplingParams, TreeBudget
 
 DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
@@ -46,12 +44,6 @@ class SweepSettings:
         return self.temperature == 0.0
 
 
-@dataclass
-class Sweep:
-    rows: list[dict]
-    texts: list[dict[int, str]]  # per row: prompt index -> output text (successful requests)
-
-
 # -- in-process engine ----------------------------------------------------------------------------
 
 
@@ -63,6 +55,9 @@ class OfflineBackend:
         self.llm = llm
         self.lock = threading.Lock()
         self.prompt_ids: dict[int, list[int]] = {}
+        # Set when the sweep is cancelled (Ctrl-C): the request in its thread stops after the step in
+        # progress and the queued ones do not start, so the interrupted sweep ends at once.
+        self.cancelled = threading.Event()
 
     def describe(self) -> dict:
         return {"mode": "offline", "target": str(self.llm.target_path), "draft": str(self.llm.draft_path),
@@ -92,6 +87,9 @@ class OfflineBackend:
         with self.lock:
             last = None
             result = None
+            if self.cancelled.is_set():
+                out.error = "cancelled"
+                return out
             stream = self.llm.stream(self.prompt_ids[index], params, budget)
             try:
                 for event in stream:
@@ -106,6 +104,9 @@ class OfflineBackend:
                     if result is None and deadline is not None and now > deadline:
                         out.error = "stopped at the deadline"
                         return out
+                    if result is None and self.cancelled.is_set():
+                        out.error = "cancelled"
+                        return out
             finally:
                 stream.close()
         out.e2el_s = time.perf_counter() - sent_at
@@ -118,7 +119,11 @@ class OfflineBackend:
 
     async def send(self, prompt: BenchPrompt, index: int, budget: TreeBudget, params: SamplingParams) -> RequestOutput:
         sent_at = time.perf_counter()
-        return await asyncio.to_thread(self.generate_one, index, budget, params, sent_at)
+        try:
+            return await asyncio.to_thread(self.generate_one, index, budget, params, sent_at)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
 
     async def prepare(self, budget: TreeBudget) -> None:
         """Capture every graph the budget can need, so that no capture falls inside the timing."""
@@ -316,51 +321,3 @@ class LiveBackend:
 
     async def aclose(self) -> None:
         await self.client.aclose()
-
-
-# -- the sweep ------------------------------------------------------------------------------------
-
-
-def _delta(before: AcceptanceCounts | None, after: AcceptanceCounts | None) -> AcceptanceCounts | None:
-    if before is None or after is None:
-        return None
-    return AcceptanceCounts(after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens)
-
-
-async def run_one(backend, prompts: list[BenchPrompt], budget: TreeBudget, concurrency: int,
-                  settings: SweepSettings, bar: tqdm | None = None) -> tuple[dict, dict[int, str]]:
-    """Warm up, then run every prompt at `budget` with at most `concurrency` in flight -> (row, texts)."""
-    if hasattr(backend, "prepare"):
-        await backend.prepare(budget)
-    for w in range(settings.warmup):
-        await backend.send(prompts[w % len(prompts)], w % len(prompts), budget, settings.params(w % len(prompts)))
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt: BenchPrompt) -> RequestOutput:
-        async with gate:
-            out = await backend.send(prompt, index, budget, settings.params(index))
-        if bar is not None:
-            bar.update(1)
-        return out
-
-    before = await backend.counters()
-    start = time.perf_counter()
-    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    duration = time.perf_counter() - start
-    after = await backend.counters()
-    row = summarize(list(outputs), duration, budget, concurrency, _delta(before, after))
-    return row, {o.index: o.text for o in outputs if o.success}
-
-
-async def run_sweep(backend, prompts: list[BenchPrompt], settings: SweepSettings, progress: bool = True) -> Sweep:
-    backend.check(prompts, settings)
-    total = len(settings.concurrencies) * len(settings.tree_budgets) * len(prompts)
-    rows, texts = [], []
-    with tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True) as bar:
-        for concurrency in settings.concurrencies:
-            for budget in settings.tree_budgets:
-                bar.set_description(f"budget {budget} x{concurrency}")
-                row, row_texts = await run_one(backend, prompts, budget, concurrency, settings, bar)
-                rows.append(row)
-                texts.append(row_texts)
-    return Sweep(rows, texts)

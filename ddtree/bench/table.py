@@ -1,10 +1,22 @@
-"""The benchmark's results as a rich table, with parity failures and the recommendation in red/green."""
+"""The benchmark's results as a plain fixed-width table, one line per row, so that each budget's row
+can be printed the moment it is measured.
+
+The default columns fit 100 characters; `full=True` gives every latency column (about 170
+characters). Every number of every row is in the JSON results either way. Parity failures are in
+red, the recommendation in green (rich markup; plain text when the output is not a terminal).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from ddtree.bench.report import recommendation_line
+
+GAP = "  "  # between columns
+COMPACT_WIDTH = 100
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -15,32 +27,113 @@ def _parity(row: dict) -> str:
     if row.get("parity_ok") is None:
         return "-"
     text = f"{row['parity_vs_ar'] * 100:.1f}%"
-    return text if row["parity_ok"] else f"[bold red]{text} MISMATCH[/bold red]"
+    return text if row["parity_ok"] else f"{text} MISMATCH"
 
 
-def results_table(rows: list[dict], title: str = "ddtree bench") -> Table:
-    table = Table(title=title, header_style="bold")
-    for name in ("budget", "conc", "done/failed", "req/s", "out tok/s", "median tok/s", "vs ar", "accept len",
-                 "rounds/req", "TTFT med ms", "TPOT med ms", "ITL med ms", "E2E med ms", "E2E p99 ms", "parity vs ar"):
-        table.add_column(name, justify="left" if name == "budget" else "right", no_wrap=True)
-    for row in rows:
-        failed = f"[bold red]{row['failed']}[/bold red]" if row["failed"] else "0"
-        table.add_row(
-            str(row["tree_budget"]), str(row["concurrency"]), f"{row['completed']}/{failed}",
-            _num(row["request_throughput"], "{:.2f}"), _num(row["output_throughput"]),
-            _num(row["median_tokens_per_second"]), _num(row.get("speedup_vs_ar"), "{:.2f}x"),
-            _num(row["mean_acceptance_length"], "{:.2f}"), _num(row["decode_rounds"]),
-            _num(row["median_ttft_ms"]), _num(row["median_tpot_ms"], "{:.2f}"), _num(row["median_itl_ms"], "{:.2f}"),
-            _num(row["median_e2el_ms"]), _num(row["p99_e2el_ms"]), _parity(row),
-        )
-    return table
+def _done(row: dict) -> str:
+    return f"{row['completed']}/{row['failed']}"
 
 
-def print_report(report: dict, console: Console | None = None, title: str = "ddtree bench") -> None:
-    """The table, then each warning in bold red, then the recommendation line(s)."""
+@dataclass(frozen=True)
+class Column:
+    header: str
+    width: int
+    cell: Callable[[dict], str]
+    left: bool = False
+    alarm: Callable[[dict], bool] = lambda row: False  # printed in bold red when true
+
+    def render(self, text: str) -> str:
+        return text.ljust(self.width) if self.left else text.rjust(self.width)
+
+
+BUDGET = Column("budget", 6, lambda r: str(r["tree_budget"]), left=True)
+CONCURRENCY = Column("conc", 4, lambda r: str(r["concurrency"]))
+DONE = Column("ok/fail", 7, _done, alarm=lambda r: r["failed"] > 0)
+MEDIAN_TPS = Column("tok/s med", 9, lambda r: _num(r["median_tokens_per_second"]))
+VS_AR = Column("vs ar", 6, lambda r: _num(r.get("speedup_vs_ar"), "{:.2f}x"))
+ACCEPT = Column("accept", 6, lambda r: _num(r["mean_acceptance_length"], "{:.2f}"))
+TTFT = Column("TTFT ms", 8, lambda r: _num(r["median_ttft_ms"]))
+TPOT = Column("TPOT ms", 8, lambda r: _num(r["median_tpot_ms"], "{:.2f}"))
+E2E_P99 = Column("E2E p99 ms", 10, lambda r: _num(r["p99_e2el_ms"]))
+PARITY = Column("parity vs ar", 14, _parity, alarm=lambda r: r.get("parity_ok") is False)
+
+COMPACT_COLUMNS = (BUDGET, CONCURRENCY, DONE, MEDIAN_TPS, VS_AR, ACCEPT, TTFT, TPOT, E2E_P99, PARITY)
+FULL_COLUMNS = (
+    BUDGET, CONCURRENCY, DONE,
+    Column("req/s", 7, lambda r: _num(r["request_throughput"], "{:.2f}")),
+    Column("out tok/s", 9, lambda r: _num(r["output_throughput"])),
+    MEDIAN_TPS, VS_AR, ACCEPT,
+    Column("rounds/req", 10, lambda r: _num(r["decode_rounds"])),
+    Column("TTFT med ms", 11, lambda r: _num(r["median_ttft_ms"])),
+    Column("TPOT med ms", 11, lambda r: _num(r["median_tpot_ms"], "{:.2f}")),
+    Column("ITL med ms", 10, lambda r: _num(r["median_itl_ms"], "{:.2f}")),
+    Column("E2E med ms", 10, lambda r: _num(r["median_e2el_ms"])),
+    E2E_P99, PARITY,
+)
+
+
+def columns_for(full: bool) -> tuple[Column, ...]:
+    return FULL_COLUMNS if full else COMPACT_COLUMNS
+
+
+def header_line(columns: tuple[Column, ...]) -> str:
+    return GAP.join(c.render(c.header) for c in columns).rstrip()
+
+
+def row_line(row: dict, columns: tuple[Column, ...], markup: bool = False) -> str:
+    """One row; a cell wider than its column pushes the rest right rather than being cut."""
+    cells = []
+    for column in columns:
+        text = column.render(column.cell(row))
+        cells.append(f"[bold red]{escape(text)}[/bold red]" if markup and column.alarm(row) else
+                     (escape(text) if markup else text))
+    return GAP.join(cells).rstrip()
+
+
+def table_lines(rows: list[dict], full: bool = False) -> list[str]:
+    """The table as plain text: the header, then one line per row."""
+    columns = columns_for(full)
+    return [header_line(columns)] + [row_line(r, columns) for r in rows]
+
+
+class RowPrinter:
+    """Prints a title and the header, then each row as it is measured. `title` may be a function,
+    called when the first line is printed."""
+
+    def __init__(self, console: Console, title: str | Callable[[], str], full: bool = False):
+        self.console, self.title, self.columns = console, title, columns_for(full)
+        self.started = False
+
+    def title_text(self) -> str:
+        return self.title() if callable(self.title) else self.title
+
+    def _print(self, text: str, markup: bool = True) -> None:
+        self.console.print(text, soft_wrap=True, highlight=False, markup=markup)
+        self.console.file.flush()  # a row is news: show it now even when stdout is a pipe or a file
+
+    def start(self) -> None:
+        if not self.started:
+            self._print(f"[bold]{escape(self.title_text())}[/bold]")
+            self._print(f"[bold]{escape(header_line(self.columns))}[/bold]")
+            self.started = True
+
+    def row(self, row: dict) -> None:
+        self.start()
+        self._print(row_line(row, self.columns, markup=True))
+
+
+def print_report(report: dict, console: Console | None = None, title: str | Callable[[], str] = "ddtree bench",
+                 full: bool = False, table: bool = True) -> None:
+    """The table (unless its rows were already printed one by one), then each warning in bold red,
+    then the recommendation line(s)."""
     console = console or Console()
-    console.print(results_table(report["results"], title))
+    if table:
+        printer = RowPrinter(console, title, full)
+        printer.start()
+        for row in report["results"]:
+            printer.row(row)
     for warning in report["warnings"]:
-        console.print(f"[bold red]WARNING: {warning}[/bold red]", soft_wrap=True)
+        console.print(f"[bold red]WARNING: {escape(warning)}[/bold red]", soft_wrap=True, highlight=False)
     for pick in report["recommendations"]:
-        console.print(f"[bold green]{recommendation_line(pick)}[/bold green]", soft_wrap=True)
+        console.print(f"[bold green]{escape(recommendation_line(pick))}[/bold green]", soft_wrap=True,
+                      highlight=False)

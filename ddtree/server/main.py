@@ -22,6 +22,8 @@ from pathlib import Path
 from ddtree.cli import add_model_args
 from ddtree.config import AR, DDTreeError, parse_tree_budget
 from ddtree.server.limits import ServerLimits
+from ddtree.flags import PORT
+from ddtree.model_pair import check_budget_has_drafter, check_pair_configs
 
 log = logging.getLogger("ddtree.server")
 
@@ -66,7 +68,7 @@ def register(subparsers) -> None:
                                           "environment variable DDTREE_<FLAG> (e.g. DDTREE_API_KEY).")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--tree-budget", default=None,
                    help="default budget of requests that name none: ar, chain, an integer >= 1, or auto "
                         "(measure on this machine at start-up; default 64)")
@@ -130,6 +132,10 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
+    check_budget_has_drafter(budget, args.target, args.draft)
+    check_pair_configs(args.target, args.draft, args.max_model_len)  # before the port opens, not behind it
+
     import uvicorn
 
     from ddtree.llm import DEFAULT_TARGET

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddtree.flags import DEVICE, OneLineErrorParser
 from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
 from ddtree.train.architectures import add_architecture_args
 
@@ -28,10 +29,11 @@ def _loop_args(p: argparse.ArgumentParser, steps: int, lr: float, batch: int, ev
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop this run at this step (checkpoint kept; --resume continues the same schedule)")
     g.add_argument("--time-limit", type=float, default=None,
-                   help="stop after this many seconds since the command started (checkpoint kept, outputs written)")
+                   help="stop after this many seconds since the command started (checkpoint kept, outputs written; "
+                        "train-drafter's data generation takes about half of it)")
     g.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default runs/<out name>-checkpoint)")
     g.add_argument("--resume", action="store_true", help="continue the run saved in the checkpoint folder")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available); bf16 autocast on cuda")
+    g.add_argument("--device", default=None, type=DEVICE, help="cpu or cuda (default: cuda when available); bf16 autocast on cuda")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights on disk")
 
@@ -111,7 +113,7 @@ def register(subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     from ddtree.cli import run
 
-    parser = argparse.ArgumentParser(prog="ddtree", description="ddtree training commands")
+    parser = OneLineErrorParser(prog="ddtree", description="ddtree training commands")
     register(parser.add_subparsers(dest="command", required=True))
     return run(parser, argv)
 

@@ -231,30 +231,61 @@ class FeatureTap:
         return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
 
 
+def next_batch_size(batch_size: int, done: int, min_count: int, seconds_per_sequence: float | None,
+                    seconds_left: float | None) -> int:
+    """How many prompts the next generate call takes; 0 to stop.
+
+    Without a deadline (`seconds_left` None): `batch_size`. With one, the first call takes only
+    `min_count` (one training batch) to measure the pace; later calls take what fits in the time
+    left at that pace, up to `batch_size`; once `min_count` sequences exist and no time is left, stop.
+    """
+    if seconds_left is None:
+        return batch_size
+    if done >= min_count and seconds_left <= 0:
+        return 0
+    if seconds_per_sequence is None:
+        return min(batch_size, min_count)
+    fits = int(seconds_left / seconds_per_sequence)
+    return max(1, min(batch_size, max(fits, min_count - done)))
+
+
 @torch.no_grad()
 def greedy_continuations(model, prompts: torch.Tensor, gen_len: int, batch_size: int, eos_id: int | None,
-                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompts [N, P] -> (sequences [N, P + gen_len] = prompt + the target's greedy continuation,
-    valid lengths [N]: positions up to and including the first generated eos)."""
+                         device: torch.device, deadline: float | None = None,
+                         min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompts [N, P] -> (sequences [N', P + gen_len] = prompt + the target's greedy continuation,
+    valid lengths [N']: positions up to and including the first generated eos). N' = N unless
+    `deadline` (a time.monotonic() time) comes first: then generation stops near it, with at least
+    `min_count` sequences (`next_batch_size`)."""
     from tqdm.auto import tqdm
 
     n, p = prompts.shape
     seqs, lengths = [], []
     pad = eos_id if eos_id is not None else 0
-    for start in tqdm(range(0, n, batch_size), desc="self-distillation data", leave=False):
-        chunk = prompts[start:start + batch_size].to(device)
-        out = model.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=gen_len,
-                             do_sample=False, eos_token_id=eos_id, pad_token_id=pad)
-        out = out[:, : p + gen_len].cpu()
-        if out.shape[1] < p + gen_len:
-            out = torch.cat([out, torch.full((out.shape[0], p + gen_len - out.shape[1]), pad)], dim=1)
-        length = torch.full((out.shape[0],), p + gen_len)
-        if eos_id is not None:
-            hit = out[:, p:] == eos_id
-            first = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(length, gen_len))
-            length = torch.minimum(p + first + 1, length)
-        seqs.append(out)
-        lengths.append(length)
+    start, pace = 0, None
+    with tqdm(total=n, desc="self-distillation data", unit="seq", leave=False) as bar:
+        while start < n:
+            left = deadline - time.monotonic() if deadline is not None else None
+            size = min(next_batch_size(batch_size, start, min(min_count, n), pace, left), n - start)
+            if size == 0:
+                break
+            tick = time.monotonic()
+            chunk = prompts[start:start + size].to(device)
+            out = model.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=gen_len,
+                                 do_sample=False, eos_token_id=eos_id, pad_token_id=pad)
+            out = out[:, : p + gen_len].cpu()
+            if out.shape[1] < p + gen_len:
+                out = torch.cat([out, torch.full((out.shape[0], p + gen_len - out.shape[1]), pad)], dim=1)
+            length = torch.full((out.shape[0],), p + gen_len)
+            if eos_id is not None:
+                hit = out[:, p:] == eos_id
+                first = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(length, gen_len))
+                length = torch.minimum(p + first + 1, length)
+            seqs.append(out)
+            lengths.append(length)
+            pace = (time.monotonic() - tick) / size
+            start += size
+            bar.update(size)
     return torch.cat(seqs), torch.cat(lengths)
 
 
@@ -266,6 +297,8 @@ def sample_anchors(count: int, num_anchors: int, low: int, high: int, generator:
 
 # -- the trainer ---------------------------------------------------------------------------------
 
+DATA_TIME_SHARE = 0.5  # of --time-limit, about, for generating the self-distillation data
+EVAL_ROWS = 8  # held-out sequences per evaluation forward
 RUN_FIELDS = ("layers", "block_size", "intermediate_size", "mask_token_id", "init_from_target", "prompt_len",
               "gen_len", "sequences", "held_out_sequences", "anchors", "batch_size", "loss_decay", "seed",
               "held_out_fraction")
@@ -310,9 +343,15 @@ class DistillData:
         self.tokens, self.lengths = tokens, lengths
 
     @classmethod
-    def build(cls, model, stream: torch.Tensor, count: int, args, eos_id, device, seed: int) -> "DistillData":
+    def build(cls, model, stream: torch.Tensor, count: int, args, eos_id, device, seed: int,
+              deadline: float | None = None, min_count: int = 1) -> "DistillData":
         prompts = random_windows(stream, count, args.prompt_len, torch.Generator().manual_seed(seed))
-        return cls(*greedy_continuations(model, prompts, args.gen_len, args.gen_batch_size, eos_id, device))
+        return cls(*greedy_continuations(model, prompts, args.gen_len, args.gen_batch_size, eos_id, device, deadline,
+                                         min_count))
+
+    @property
+    def count(self) -> int:
+        return self.tokens.shape[0]
 
 
 class Batcher:
@@ -395,14 +434,23 @@ def train_drafter(args: argparse.Namespace) -> dict:
             if stream.numel() < args.prompt_len:
                 raise DDTreeError(f"the {name} files hold {stream.numel()} tokens, fewer than --prompt-len "
                                   f"{args.prompt_len}", "prompt_len")
-        train_data = DistillData.build(target_hf, train_stream, args.sequences, args, eos_id, device, args.seed)
+        # Under --time-limit the data may take about DATA_TIME_SHARE of it, so that the run still trains
+        # and writes its outputs: generation runs in batches sized to end near the deadline, with at
+        # least one evaluation chunk of held-out sequences and one training batch.
+        deadline = started + DATA_TIME_SHARE * args.time_limit if args.time_limit is not None else None
         held_out_data = DistillData.build(target_hf, held_stream, args.held_out_sequences, args, eos_id, device,
-                                          args.seed + 7919)
+                                          args.seed + 7919, deadline, min_count=EVAL_ROWS)
+        train_data = DistillData.build(target_hf, train_stream, args.sequences, args, eos_id, device, args.seed,
+                                       deadline, min_count=args.batch_size)
         checkpoint.folder.mkdir(parents=True, exist_ok=True)
         torch.save({"train": (train_data.tokens, train_data.lengths),
                     "held_out": (held_out_data.tokens, held_out_data.lengths)}, data_path)
-        print(f"[train-drafter] self-distillation data: {args.sequences} + {args.held_out_sequences} sequences of "
+        print(f"[train-drafter] self-distillation data: {train_data.count} + {held_out_data.count} sequences of "
               f"{args.prompt_len} + {args.gen_len} tokens in {time.monotonic() - tick:.0f} s", flush=True)
+        if train_data.count < args.sequences or held_out_data.count < args.held_out_sequences:
+            print(f"[train-drafter] --time-limit {args.time_limit:g}: generated {train_data.count} of "
+                  f"{args.sequences} training and {held_out_data.count} of {args.held_out_sequences} held-out "
+                  f"sequences (the data may take about {DATA_TIME_SHARE:.0%} of the limit)", flush=True)
 
     seq_len = args.prompt_len + args.gen_len
     drafter = DFlashDrafter(cfg, seq_len + args.block_size).to(device)
@@ -438,23 +486,30 @@ def train_drafter(args: argparse.Namespace) -> dict:
         return loss, args.batch_size * args.anchors * args.block_size
 
     every_anchor = torch.arange(args.prompt_len, seq_len - cfg.block_size + 1)
-    eval_rows = max(1, min(args.batch_size, 8))
+    eval_rows = max(1, min(args.batch_size, EVAL_ROWS))
+
+    limit = started + args.time_limit if args.time_limit is not None else None
 
     def evaluate() -> dict:
         """Held-out loss over every anchor of the continuations, and the chain's mean acceptance
-        length replayed round by round over them."""
-        count = held_out_data.tokens.shape[0]
+        length replayed round by round over them. Past --time-limit, no chunk of rows starts after
+        the first: the evaluation covers fewer sequences (`held_out_sequences` says how many)."""
+        count = 0
         total_loss, tokens, rounds = 0.0, 0, 0
-        for start in range(0, count, eval_rows):
-            rows = torch.arange(start, min(start + eval_rows, count))
+        for start in range(0, held_out_data.count, eval_rows):
+            if count and limit is not None and time.monotonic() >= limit:
+                break
+            rows = torch.arange(start, min(start + eval_rows, held_out_data.count))
             loss, logits, labels, weights = forward(held_out_data, rows, every_anchor.expand(rows.numel(), -1))
             total_loss += loss.item() * rows.numel()
+            count += rows.numel()
             leading = ((logits.argmax(-1) == labels) & (weights > 0)).int().cumprod(-1).sum(-1).cpu()
             full = (weights > 0).all(-1).cpu()  # blocks whose b - 1 labels all lie before the eos
             for i in range(rows.numel()):
                 t, r = chain_acceptance(leading[i], full[i])
                 tokens, rounds = tokens + t, rounds + r
-        return {"held_out_loss": total_loss / count, "held_out_acceptance": tokens / max(rounds, 1)}
+        return {"held_out_loss": total_loss / count, "held_out_acceptance": tokens / max(rounds, 1),
+                "held_out_sequences": count}
 
     print(f"[train-drafter] {corpus.describe()}; {n_params / 1e6:.2f} M drafter parameters, taps "
           f"{cfg.target_layer_ids}, mask token {mask_id}, {'flex' if use_flex else 'dense'} attention on {device}",
@@ -468,8 +523,8 @@ def train_drafter(args: argparse.Namespace) -> dict:
         "corpus": corpus.describe(),
         "corpus_roots": [str(r) for r in corpus.roots],
         "held_out_fraction": corpus.held_out_fraction,
-        "distill_sequences": args.sequences,
-        "distill_tokens": args.sequences * seq_len,
+        "distill_sequences": train_data.count,
+        "distill_tokens": train_data.count * seq_len,
         "parameters": n_params,
         "target_layer_ids": cfg.target_layer_ids,
         "steps": result.step,
@@ -478,6 +533,7 @@ def train_drafter(args: argparse.Namespace) -> dict:
         "stopped_by": result.stopped_by,
         "held_out_loss": result.last_eval.get("held_out_loss"),
         "held_out_acceptance": result.last_eval.get("held_out_acceptance"),
+        "held_out_sequences_evaluated": result.last_eval.get("held_out_sequences"),
         "eval_history": result.history,
         "train_seconds": round(result.train_seconds, 1),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
