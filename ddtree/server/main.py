@@ -132,9 +132,16 @@ def limits_from(args: argparse.Namespace) -> ServerLimits:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Every flag is checked before the heavy imports and before the port opens: a mistake is one line.
     budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
+    limits = limits_from(args)
+    if isinstance(budget, int) and budget > limits.max_tree_budget:
+        raise DDTreeError(f"--tree-budget {budget} is over --max-tree-budget {limits.max_tree_budget}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise DDTreeError("--api-key must not be empty; leave it out to serve without a key")
+    warmup = flag_enabled(args.warmup, "warmup")
     check_budget_has_drafter(budget, args.target, args.draft)
-    check_pair_configs(args.target, args.draft, args.max_model_len)  # before the port opens, not behind it
+    check_pair_configs(args.target, args.draft, args.max_model_len)
 
     import uvicorn
 
@@ -144,13 +151,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ddtree.server.listen import bind_listeners
     from ddtree.server.shutdown import GracePeriodServer, exit_now, grace_period
 
-    budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
-    limits = limits_from(args)
-    if isinstance(budget, int) and budget > limits.max_tree_budget:
-        raise DDTreeError(f"--tree-budget {budget} is over --max-tree-budget {limits.max_tree_budget}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise DDTreeError("--api-key must not be empty; leave it out to serve without a key")
-    warmup = flag_enabled(args.warmup, "warmup")
     sockets = bind_listeners(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or Path(args.target or DEFAULT_TARGET).name
