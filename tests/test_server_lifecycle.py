@@ -146,7 +146,7 @@ def test_bad_host_is_one_line_and_exit_2(host):
     assert out.stderr.startswith("ddtree: error: cannot listen on")
 
 
-@pytest.mark.parametrize("args, fragment", [(["--api-key", ""], "--api-key"), (["--port", "70000"], "0..65535")])
+@pytest.mark.parametrize("args, fragment", [(["--api-key", ""], "--api-key"), (["--port", "70000"], "1..65535")])
 def test_bad_serve_settings_are_one_line_and_exit_2(args, fragment):
     out = run_serve(*args)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
