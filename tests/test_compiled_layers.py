@@ -28,19 +28,24 @@ def eager_backend_compile(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_one_compiled_set_serves_every_call(tmp_path, eager_backend_compile):
-    make_target(tmp_path / "t", "qwen3", vocab=512, hidden=64, layers=3)
-    make_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
+def assert_compiled_equals_eager(root, compiled_ops, eager_ops):
+    """The pair under `root` decodes the same tokens with compiled and eager layer functions, in
+    both dtypes, at ar, chain and a tree (prefill, one-token and tree forwards, commits)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompt = list(range(5, 30))
     for dtype in ("float32", "bfloat16"):
-        compiled = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128,
-                       compile_layers=True)
-        eager = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128)
-        assert compiled.engine.target.ops is fused._COMPILED and eager.engine.target.ops is fused.EAGER
+        compiled = LLM(root / "t", root / "d", device="cpu", dtype=dtype, max_model_len=128, compile_layers=True)
+        eager = LLM(root / "t", root / "d", device="cpu", dtype=dtype, max_model_len=128)
+        assert compiled.engine.target.ops is compiled_ops() and eager.engine.target.ops is eager_ops
         for budget in ("ar", "chain", 4):
             assert compiled.generate(prompt, params, budget).token_ids == \
                 eager.generate(prompt, params, budget).token_ids, (dtype, budget)
+
+
+def test_one_compiled_set_serves_every_call(tmp_path, eager_backend_compile):
+    make_target(tmp_path / "t", "qwen3", vocab=512, hidden=64, layers=3)
+    make_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
+    assert_compiled_equals_eager(tmp_path, lambda: fused._COMPILED, fused.EAGER)
 
 
 def test_hybrid_compiled_glue_serves_every_call(tmp_path, eager_backend_compile, monkeypatch):
@@ -52,13 +57,4 @@ def test_hybrid_compiled_glue_serves_every_call(tmp_path, eager_backend_compile,
     monkeypatch.setattr(hybrid, "_HYBRID_COMPILED", None)
     make_hybrid_target(tmp_path / "t", layers=4)
     make_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompt = list(range(5, 30))
-    for dtype in ("float32", "bfloat16"):
-        compiled = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128,
-                       compile_layers=True)
-        eager = LLM(tmp_path / "t", tmp_path / "d", device="cpu", dtype=dtype, max_model_len=128)
-        assert compiled.engine.target.ops is hybrid._HYBRID_COMPILED and eager.engine.target.ops is hybrid.HYBRID_EAGER
-        for budget in ("ar", "chain", 4):
-            assert compiled.generate(prompt, params, budget).token_ids == \
-                eager.generate(prompt, params, budget).token_ids, (dtype, budget)
+    assert_compiled_equals_eager(tmp_path, lambda: hybrid._HYBRID_COMPILED, hybrid.HYBRID_EAGER)
