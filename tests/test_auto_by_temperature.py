@@ -50,6 +50,13 @@ def test_a_file_without_buckets_gives_its_greedy_pick_everywhere(llm, tmp_path):
     assert bucket_picks(read_tune_file(path)) == dict.fromkeys(BUCKET_NAMES, 8)
 
 
+def test_a_sampled_tune_keeps_its_calibrated_greedy_pick(llm, tmp_path):
+    """`ddtree tune --temperature 0.6`: the sweep's pick serves t<=0.8, a calibration's serves greedy."""
+    path = tune_file(llm, tmp_path, {"greedy": {"tree_budget": 64, "source": "calibration"},
+                                     "t<=0.8": {"tree_budget": 8, "source": "sweep"}})
+    assert bucket_picks(read_tune_file(path)) == {"greedy": 64, "t<=0.4": 8, "t<=0.8": 8, "t>0.8": 8}
+
+
 def test_calibration_samples_at_the_bucket_temperature(llm, monkeypatch):
     """Made-up speeds and acceptance: the calibration passes its temperature on and records acceptance."""
     seen: set[float] = set()

@@ -277,9 +277,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -> dict:
-    """The tune file's per-temperature-bucket results: the sweep's own bucket from the sweep, each
-    sampled bucket from a calibration of --sampled-seconds at its temperature (skipped when the sweep
-    was interrupted)."""
+    """The tune file's per-temperature-bucket results: the sweep's own bucket (greedy at the default
+    --temperature 0) from the sweep, every other bucket from a calibration of --sampled-seconds at its
+    temperature (skipped when the sweep was interrupted)."""
     from ddtree.bench.tune import measure_buckets, sweep_bucket_entry
     from ddtree.temperature_buckets import bucket_of
 
@@ -291,7 +291,7 @@ def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -
     if interrupted:
         return entries
     seconds = args.sampled_seconds or (QUICK_SAMPLED_SECONDS if args.quick else SAMPLED_SECONDS)
-    view.note(f"measuring the sampled temperature buckets, {seconds:g} s each", "none")
+    view.note(f"measuring the other temperature buckets, {seconds:g} s each", "none")
     entries.update(measure_buckets(llm, seconds, settings.tree_budgets, skip=(own,),
                                    log=lambda line: view.note(line, "none")))
     return entries

@@ -19,7 +19,7 @@ from ddtree.bench.machine import device_name, git_revision, model_fingerprint
 from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
 from ddtree.config import AR, CHAIN, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
-from ddtree.temperature_buckets import BUCKET_NAMES, GREEDY, SAMPLED_BUCKETS
+from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
 
 TUNE_FILE = "ddtree_tune.json"
 TUNE_FORMAT = "ddtree-tune/1"
@@ -129,7 +129,8 @@ def bucket_picks(record: dict, concurrency: int = 1) -> dict[str, TreeBudget]:
     greedy = pick_for_concurrency(record, concurrency)["tree_budget"]
     measured = record.get("by_temperature", {})
     picks = {name: measured[name]["tree_budget"] if name in measured else greedy for name in BUCKET_NAMES}
-    picks[GREEDY.name] = greedy  # the sweep at `concurrency` knows best about greedy traffic
+    if measured.get(GREEDY.name, {}).get("source") != "calibration":
+        picks[GREEDY.name] = greedy  # a greedy sweep at `concurrency` knows best about greedy traffic
     return picks
 
 
@@ -146,12 +147,10 @@ def sweep_bucket_entry(report: dict, temperature: float) -> dict | None:
 
 def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeBudget] | None = None,
                     skip: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Calibrate each sampled bucket (at its `measured_at` temperature) for `seconds_per_bucket`;
-    buckets named in `skip` are left out."""
+    """Calibrate each bucket (at its `measured_at` temperature) for `seconds_per_bucket`; buckets
+    named in `skip` (the one the sweep measured) are left out."""
     entries = {}
-    for bucket in SAMPLED_BUCKETS:
-        if bucket.name in skip:
-            continue
+    for bucket in (b for b in BUCKETS if b.name not in skip):
         budget, summary = calibrate(llm, seconds_per_bucket, log, budgets, temperature=bucket.measured_at)
         if budget is None:
             continue
@@ -308,7 +307,7 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
         budget = llm.default_budget
     else:
         log("tree budget auto: " + recommendation_line(summary["recommendation"]))
-    sampled = measure_buckets(llm, time_limit_s / 2 / len(SAMPLED_BUCKETS), log=log)
+    sampled = measure_buckets(llm, time_limit_s / 2 / len(SAMPLED_BUCKETS), skip=(GREEDY.name,), log=log)
     picks = {GREEDY.name: budget, **{name: entry["tree_budget"] for name, entry in sampled.items()}}
     picks = {name: picks.get(name, budget) for name in BUCKET_NAMES}
     log("tree budget auto by temperature: " + _picks_line(picks))
