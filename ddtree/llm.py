@@ -25,6 +25,7 @@ from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
+from ddtree.temperature_buckets import bucket_of
 from ddtree.working_set import BudgetWorkingSet
 
 DEFAULT_TREE_BUDGET: TreeBudget = 64
@@ -117,6 +118,8 @@ class LLM:
             self.default_budget = parse_tree_budget(tree_budget)
             if self.default_budget != AR and self.draft_path is None:
                 raise needs_drafter_error(self.default_budget)
+        # --tree-budget auto: the budget per temperature bucket (ddtree.temperature_buckets), else None
+        self.auto_budgets: dict[str, TreeBudget] | None = None
 
         cfg = TargetConfig.from_dir(self.target_path)
         limit = context_limit(cfg, max_model_len)
@@ -208,9 +211,17 @@ class LLM:
                 raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {shown(t)}", "prompt")
         return list(prompt)
 
-    def _budget(self, tree_budget: object) -> TreeBudget:
-        """The request's tree budget (None: the default), refused when it needs a missing drafter."""
-        budget = self.default_budget if tree_budget is None else parse_tree_budget(tree_budget)
+    def budget_for(self, temperature: float) -> TreeBudget:
+        """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
+        temperature bucket's pick, else the default."""
+        if self.auto_budgets is None:
+            return self.default_budget
+        return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
+
+    def _budget(self, tree_budget: object, temperature: float = 0.0) -> TreeBudget:
+        """The request's tree budget (None: the default for its temperature), refused when it needs a
+        missing drafter."""
+        budget = self.budget_for(temperature) if tree_budget is None else parse_tree_budget(tree_budget)
         if budget != AR and self.drafter is None:
             raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
         return budget
@@ -218,7 +229,7 @@ class LLM:
     def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
         """Validate everything about a request before any work; return its tree budget."""
         params.validate()
-        budget = self._budget(tree_budget)
+        budget = self._budget(tree_budget, params.temperature)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise DDTreeError(

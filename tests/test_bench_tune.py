@@ -40,7 +40,7 @@ def tuned(demo_pair, drafter_copy):
     """Run `ddtree tune` once with its default output (beside the drafter)."""
     code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter_copy), "--device", "cpu",
                  "--tree-budgets", "ar,chain,8", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "1,2",
-                 "--no-progress"])
+                 "--sampled-seconds", "2", "--no-progress"])
     assert code == 0
     return drafter_copy / TUNE_FILE
 
@@ -54,6 +54,19 @@ def test_tune_writes_recommendations_beside_the_drafter(tuned):
         assert measured[str(pick["tree_budget"])] == max(measured.values())
     assert record["device"].startswith("cpu") and record["dtype"] == "float32"
     assert len(record["target_fingerprint"]) == 16 and record["target_fingerprint"] != record["draft_fingerprint"]
+
+
+def test_tune_measures_every_temperature_bucket(tuned):
+    """Greedy from the sweep, each sampled bucket from a calibration at its temperature; each bucket's
+    pick is its fastest budget."""
+    by_temperature = read_tune_file(tuned)["by_temperature"]
+    assert list(by_temperature) == ["greedy", "t<=0.4", "t<=0.8", "t>0.8"]
+    assert [e["temperature"] for e in by_temperature.values()] == [0.0, 0.3, 0.6, 1.0]
+    assert by_temperature["greedy"]["source"] == "sweep" and by_temperature["t>0.8"]["source"] == "calibration"
+    for entry in by_temperature.values():
+        measured = entry["median_tokens_per_second"]
+        assert measured[str(entry["tree_budget"])] == max(measured.values())
+        assert set(entry["mean_acceptance_length"]) <= set(measured) and entry["mean_acceptance_length"]["ar"] == 1.0
 
 
 def test_auto_uses_a_matching_tune_file(llm, tuned, drafter_copy):

@@ -197,9 +197,9 @@ def test_auto_tree_budget_is_measured_and_reported(demo_pair, monkeypatch):
     def fake_resolve(llm, draft_dir, log):
         calls.append(draft_dir)
         log("measured")
-        return 7
+        return {"greedy": 7, "t<=0.4": 7, "t<=0.8": "chain", "t>0.8": "ar"}
 
-    monkeypatch.setattr(tune, "resolve_auto_budget", fake_resolve)
+    monkeypatch.setattr(tune, "resolve_auto_budgets", fake_resolve)
     args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
                               max_model_len=96)
     loaded = _load(args, "auto")
@@ -208,7 +208,9 @@ def test_auto_tree_budget_is_measured_and_reported(demo_pair, monkeypatch):
     with TestClient(app) as client:
         health = client.get("/health").json()
         assert health["tree_budget"] == "7" and health["tree_budget_mode"] == "auto"
-        assert metric(metric_values(client.get("/metrics").text), "ddtree:tree_budget") == 7
+        values = metric_values(client.get("/metrics").text)
+        assert metric(values, "ddtree:tree_budget") == 7
+        assert metric(values, "ddtree:auto_tree_budget", temperature_bucket="t>0.8", tree_budget="ar") == 1
 
 
 def test_serve_flags_and_environment(monkeypatch):

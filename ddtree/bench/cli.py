@@ -16,6 +16,9 @@ from ddtree.flags import POSITIVE_NUMBER
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
 # --quick: the demo pair's tune in about 2 minutes on a 2-core CPU, enough to tell the budgets apart.
 QUICK = {"num_prompts": 8, "max_tokens": 128, "tree_budgets": "ar,chain,16,32,64,128", "prune_below": 0.5}
+# ddtree tune: seconds of calibration per sampled temperature bucket (three buckets), after the greedy sweep.
+SAMPLED_SECONDS = 40.0
+QUICK_SAMPLED_SECONDS = 12.0
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
 
 
@@ -266,10 +269,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise DDTreeError("no request completed: nothing to recommend")
     record = {**tune_record(llm, report, settings, args.dataset, len(prompts)), **sweep_facts(sweep)}
     record["settings"]["quick"] = args.quick
+    record["by_temperature"] = by_temperature(args, llm, report, settings, sweep.interrupted, view)
     path = write_tune_file(record, output)
     view.note(f"tune file written to {path}" + (" (from the budgets measured before the interruption)"
                                                  if sweep.interrupted else ""), "none")
     return 130 if sweep.interrupted else 0
+
+
+def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -> dict:
+    """The tune file's per-temperature-bucket results: the sweep's own bucket (greedy at the default
+    --temperature 0) from the sweep, every other bucket from a calibration of --sampled-seconds at its
+    temperature (skipped when the sweep was interrupted)."""
+    from ddtree.bench.tune import measure_buckets, sweep_bucket_entry
+    from ddtree.temperature_buckets import bucket_of
+
+    own = bucket_of(settings.temperature).name
+    entries = {}
+    entry = sweep_bucket_entry(report, settings.temperature)
+    if entry is not None:
+        entries[own] = entry
+    if interrupted:
+        return entries
+    seconds = args.sampled_seconds or (QUICK_SAMPLED_SECONDS if args.quick else SAMPLED_SECONDS)
+    view.note(f"measuring the other temperature buckets, {seconds:g} s each", "none")
+    entries.update(measure_buckets(llm, seconds, settings.tree_budgets, skip=(own,),
+                                   log=lambda line: view.note(line, "none")))
+    return entries
 
 
 def register(subparsers) -> None:
@@ -295,6 +320,9 @@ def register(subparsers) -> None:
         "tune", help="measure tree budgets on this machine and save the best for --tree-budget auto",
         description="Offline sweep; writes the recommendation per concurrency level to <draft>/ddtree_tune.json.")
     add_sweep_args(tune, num_prompts=16, max_tokens=128)
+    tune.add_argument("--sampled-seconds", type=POSITIVE_NUMBER, default=None,
+                      help=f"seconds of measurement per sampled temperature bucket (default {SAMPLED_SECONDS:g}; "
+                           f"--quick: {QUICK_SAMPLED_SECONDS:g})")
     tune.add_argument("--output", default=None,
                       help="tune file to write (default: ddtree_tune.json beside the drafter)")
     add_model_args(tune)

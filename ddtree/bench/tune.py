@@ -19,6 +19,7 @@ from ddtree.bench.machine import device_name, git_revision, model_fingerprint
 from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
 from ddtree.config import AR, CHAIN, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
+from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
 
 TUNE_FILE = "ddtree_tune.json"
 TUNE_FORMAT = "ddtree-tune/1"
@@ -96,6 +97,13 @@ def read_tune_file(path: str | Path) -> dict:
         if not isinstance(pick, dict) or not isinstance(pick.get("concurrency"), int):
             raise DDTreeError(f"tune file {path}: a recommendation lacks its concurrency")
         pick["tree_budget"] = parse_tree_budget(pick.get("tree_budget"))
+    by_temperature = record.get("by_temperature", {})  # absent from files made before the buckets
+    if not isinstance(by_temperature, dict):
+        raise DDTreeError(f"tune file {path}: by_temperature is not an object")
+    for name, entry in by_temperature.items():
+        if not isinstance(entry, dict) or "tree_budget" not in entry:
+            raise DDTreeError(f"tune file {path}: temperature bucket {name!r} lacks its tree_budget")
+        entry["tree_budget"] = parse_tree_budget(entry["tree_budget"])
     return record
 
 
@@ -115,6 +123,46 @@ def pick_for_concurrency(record: dict, concurrency: int = 1) -> dict:
     return below[-1] if below else picks[0]
 
 
+def bucket_picks(record: dict, concurrency: int = 1) -> dict[str, TreeBudget]:
+    """The budget per temperature bucket: the file's pick where it measured the bucket, else (files
+    made before the buckets) its greedy pick at `concurrency`."""
+    greedy = pick_for_concurrency(record, concurrency)["tree_budget"]
+    measured = record.get("by_temperature", {})
+    picks = {name: measured[name]["tree_budget"] if name in measured else greedy for name in BUCKET_NAMES}
+    if measured.get(GREEDY.name, {}).get("source") != "calibration":
+        picks[GREEDY.name] = greedy  # a greedy sweep at `concurrency` knows best about greedy traffic
+    return picks
+
+
+def sweep_bucket_entry(report: dict, temperature: float) -> dict | None:
+    """The bucket entry of the tune sweep's own temperature, from its concurrency-1 rows."""
+    rows = [r for r in report["results"] if r["concurrency"] == 1 and r["completed"]]
+    picks = recommend(rows)
+    if not picks:
+        return None
+    return {"temperature": temperature, "tree_budget": picks[0]["tree_budget"], "source": "sweep",
+            "median_tokens_per_second": {str(r["tree_budget"]): r["median_tokens_per_second"] for r in rows},
+            "mean_acceptance_length": {str(r["tree_budget"]): r.get("mean_acceptance_length") for r in rows}}
+
+
+def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeBudget] | None = None,
+                    skip: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Calibrate each bucket (at its `measured_at` temperature) for `seconds_per_bucket`; buckets
+    named in `skip` (the one the sweep measured) are left out."""
+    entries = {}
+    for bucket in (b for b in BUCKETS if b.name not in skip):
+        budget, summary = calibrate(llm, seconds_per_bucket, log, budgets, temperature=bucket.measured_at)
+        if budget is None:
+            continue
+        entries[bucket.name] = {"temperature": bucket.measured_at, "tree_budget": budget, "source": "calibration",
+                                "seconds": round(summary["seconds"], 1),
+                                "median_tokens_per_second": summary["median_tokens_per_second"],
+                                "mean_acceptance_length": summary["mean_acceptance_length"]}
+        log(f"tree budget auto: bucket {bucket.name} (T = {bucket.measured_at:g}): {budget}; median tok/s "
+            + ", ".join(f"{b}: {t:.1f}" for b, t in summary["median_tokens_per_second"].items()))
+    return entries
+
+
 # -- calibration ------------------------------------------------------------------------------------
 
 
@@ -129,7 +177,7 @@ def _calibration_prompts(llm, max_tokens: int) -> list[list[int]]:
 
 
 def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = print,
-              budgets: list[TreeBudget] | None = None) -> tuple[TreeBudget | None, dict]:
+              budgets: list[TreeBudget] | None = None, temperature: float = 0.0) -> tuple[TreeBudget | None, dict]:
     """Measure budgets on this machine within `time_limit_s` seconds -> (the budget with the best
     median tokens/s, or None if nothing was measured; a summary).
 
@@ -144,18 +192,24 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     start = time.perf_counter()
     deadline = start + time_limit_s
     max_tokens = max(1, min(CALIBRATION_MAX_TOKENS, llm.max_model_len // 4))
-    params = SamplingParams(max_tokens=max_tokens)
-    warmup_params = SamplingParams(max_tokens=min(CALIBRATION_WARMUP_TOKENS, max_tokens))
+    # a fixed seed at T > 0: every budget samples the same way, so the budgets differ only in speed
+    seed = 0 if temperature > 0 else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    warmup_params = SamplingParams(max_tokens=min(CALIBRATION_WARMUP_TOKENS, max_tokens), temperature=temperature,
+                                   seed=seed)
     backend = OfflineBackend(llm)
     backend.prompt_ids = dict(enumerate(p for p in _calibration_prompts(llm, max_tokens) if p))
     n_prompts = len(backend.prompt_ids)
     samples: dict[TreeBudget, list[float]] = {b: [] for b in budgets}
+    accepted: dict[TreeBudget, list[int]] = {b: [0, 0] for b in budgets}  # [accepted tokens, rounds]
     skipped: dict[str, str] = {}
 
     def timed(index: int, budget: TreeBudget) -> bool:
         out = backend.generate_one(index % n_prompts, budget, params, time.perf_counter(), deadline)
         if out.success:
             samples[budget].append(out.tokens_per_second)
+            accepted[budget][0] += out.accepted_tokens or 0
+            accepted[budget][1] += out.decode_rounds or 0
         return out.success
 
     racing: list[TreeBudget] = []
@@ -184,8 +238,10 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     rows = [{"tree_budget": b, "concurrency": 1, "completed": len(s), "median_tokens_per_second": median(s)}
             for b, s in samples.items() if s]
     picks = recommend(rows)
-    summary = {"seconds": time.perf_counter() - start, "max_tokens": max_tokens,
+    summary = {"seconds": time.perf_counter() - start, "max_tokens": max_tokens, "temperature": temperature,
                "median_tokens_per_second": {str(r["tree_budget"]): r["median_tokens_per_second"] for r in rows},
+               "mean_acceptance_length": {str(b): (1.0 if b == AR else a / n) for b, (a, n) in accepted.items()
+                                          if samples[b] and (n or b == AR)},
                "samples": {str(r["tree_budget"]): r["completed"] for r in rows},
                "skipped": skipped,
                "recommendation": picks[0] if picks else None}
@@ -210,11 +266,18 @@ def _by_reason(skipped: dict[str, str]) -> dict[str, list[str]]:
 
 def resolve_auto_budget(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
                         time_limit_s: float = 60.0, concurrency: int = 1) -> TreeBudget:
-    """The tree budget for `--tree-budget auto`: from `<draft_dir>/ddtree_tune.json` when it was
-    measured on this device for this model pair, else from a calibration of at most `time_limit_s`."""
+    """The greedy bucket's budget from `resolve_auto_budgets`."""
+    return resolve_auto_budgets(llm, draft_dir, log, time_limit_s, concurrency)[GREEDY.name]
+
+
+def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
+                         time_limit_s: float = 60.0, concurrency: int = 1) -> dict[str, TreeBudget]:
+    """The tree budget per temperature bucket for `--tree-budget auto`: from
+    `<draft_dir>/ddtree_tune.json` when it was measured on this device for this model pair, else from
+    a calibration of at most `time_limit_s` (half for greedy, half shared by the sampled buckets)."""
     if llm.drafter is None:
         log("tree budget auto: no drafter loaded, using 'ar'")
-        return AR
+        return dict.fromkeys(BUCKET_NAMES, AR)
     path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
     if path.is_file():
         try:
@@ -224,20 +287,32 @@ def resolve_auto_budget(llm, draft_dir: str | Path | None, log: Callable[[str], 
             record, reason = None, str(exc)
         if reason is None:
             pick = pick_for_concurrency(record, concurrency)
+            picks = bucket_picks(record, concurrency)
             log(f"tree budget auto: {pick['tree_budget']} from {path} (tuned {record.get('created', '?')}); "
                 + recommendation_line(pick))
-            return pick["tree_budget"]
+            log("tree budget auto by temperature: " + _picks_line(picks)
+                + ("" if record.get("by_temperature") else " (the file measured greedy traffic only)"))
+            return picks
         log(f"tree budget auto: ignoring {path}: {reason}")
     else:
         log(f"tree budget auto: no tune file at {path} (run `ddtree tune` to make one)")
     log(f"tree budget auto: calibrating for at most {time_limit_s:g} s")
-    budget, summary = calibrate(llm, time_limit_s, log)
+    budget, summary = calibrate(llm, time_limit_s / 2, log)
     measured = ", ".join(f"{b}: {tps:.1f}" for b, tps in summary["median_tokens_per_second"].items())
     log(f"tree budget auto: calibration took {summary['seconds']:.1f} s; median tok/s {measured or 'none'}"
         + "".join(f"; not measured: {', '.join(bs)} ({why})" for why, bs in _by_reason(summary["skipped"]).items()))
     if budget is None:
-        log(f"tree budget auto: the calibration measured nothing in {time_limit_s:g} s; "
+        log(f"tree budget auto: the calibration measured nothing in {time_limit_s / 2:g} s; "
             f"using the default budget {llm.default_budget}")
-        return llm.default_budget
-    log("tree budget auto: " + recommendation_line(summary["recommendation"]))
-    return budget
+        budget = llm.default_budget
+    else:
+        log("tree budget auto: " + recommendation_line(summary["recommendation"]))
+    sampled = measure_buckets(llm, time_limit_s / 2 / len(SAMPLED_BUCKETS), skip=(GREEDY.name,), log=log)
+    picks = {GREEDY.name: budget, **{name: entry["tree_budget"] for name, entry in sampled.items()}}
+    picks = {name: picks.get(name, budget) for name in BUCKET_NAMES}
+    log("tree budget auto by temperature: " + _picks_line(picks))
+    return picks
+
+
+def _picks_line(picks: dict[str, TreeBudget]) -> str:
+    return ", ".join(f"{name}: {budget}" for name, budget in picks.items())

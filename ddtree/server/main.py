@@ -107,11 +107,14 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False):
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               use_draft=budget != AR or args.draft is not None, **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
-        from ddtree.bench.tune import resolve_auto_budget
+        from ddtree.bench.tune import resolve_auto_budgets
+        from ddtree.temperature_buckets import GREEDY
 
         log.info("tree budget 'auto': measuring budgets for this machine")
-        llm.default_budget = parse_tree_budget(resolve_auto_budget(llm, llm.draft_path, log=log.info))
-        log.info("tree budget 'auto' chose %s", llm.default_budget)
+        llm.auto_budgets = resolve_auto_budgets(llm, llm.draft_path, log=log.info)
+        llm.default_budget = parse_tree_budget(llm.auto_budgets[GREEDY.name])
+        log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s", llm.default_budget,
+                 ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()))
     if warmup:
         start = time.perf_counter()
         llm.warmup()

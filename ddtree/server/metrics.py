@@ -60,6 +60,9 @@ class ServerMetrics:
                                  registry=r)
         self.budgets_allocated = Gauge("ddtree:tree_budgets_allocated",
                                        "Tree budgets whose buffers (and graphs) are allocated now", m, registry=r)
+        self.auto_tree_budget = Gauge("ddtree:auto_tree_budget",
+                                      "1 for the tree budget --tree-budget auto chose for each temperature bucket",
+                                      m + ["temperature_bucket", "tree_budget"], registry=r)
         self.acceptance_length = Histogram("ddtree:acceptance_length",
                                            "Acceptance length per drafted round (bonus token counted)", m,
                                            buckets=ACCEPTANCE_BUCKETS, registry=r)
@@ -72,6 +75,11 @@ class ServerMetrics:
 
     def set_tree_budget(self, nodes: int) -> None:
         self.tree_budget.labels(self.model_name).set(nodes)
+
+    def set_auto_budgets(self, picks: dict) -> None:
+        """--tree-budget auto's pick per temperature bucket, one series each."""
+        for bucket, budget in picks.items():
+            self.auto_tree_budget.labels(self.model_name, bucket, str(budget)).set(1)
 
     def set_budgets_allocated(self, count: int) -> None:
         self.budgets_allocated.labels(self.model_name).set(count)

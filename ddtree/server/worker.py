@@ -107,6 +107,8 @@ class EngineWorker:
             if working_set is not None and self.max_cached_budgets is not None:
                 working_set.capacity = self.max_cached_budgets
             self.metrics.set_tree_budget(self.drafted_per_round(llm.default_budget))
+            if getattr(llm, "auto_budgets", None):
+                self.metrics.set_auto_budgets(llm.auto_budgets)
             self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
             self._thread.start()
             self.state = READY

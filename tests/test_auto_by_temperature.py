@@ -1,0 +1,95 @@
+"""--tree-budget auto by temperature: the tune file's buckets, old files, and the server's per-request pick."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ddtree.bench.runner import OfflineBackend, RequestOutput
+from ddtree.bench.tune import TUNE_FILE, bucket_picks, calibrate, identity, read_tune_file, resolve_auto_budgets
+from ddtree.llm import LLM
+from ddtree.server.app import create_app
+from ddtree.temperature_buckets import BUCKET_NAMES, bucket_of
+from server_process import metric, metric_values
+
+
+@pytest.fixture(scope="module")
+def llm(demo_pair):
+    return LLM(*demo_pair, device="cpu", max_model_len=96)
+
+
+def tune_file(llm, directory, by_temperature=None):
+    """A made-up tune file for `llm`: greedy pick 8, and `by_temperature` when given."""
+    record = {"format": "ddtree-tune/1", **identity(llm),
+              "recommendations": [{"concurrency": 1, "tree_budget": 8, "median_tokens_per_second": 50.0,
+                                   "margin_over_chain": 1.1, "margin_over_ar": 1.2}]}
+    if by_temperature is not None:
+        record["by_temperature"] = by_temperature
+    path = directory / TUNE_FILE
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_bucket_of_names_each_range():
+    assert [bucket_of(t).name for t in (0.0, 1e-6, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0)] == [
+        "greedy", "greedy", "t<=0.4", "t<=0.4", "t<=0.8", "t<=0.8", "t>0.8", "t>0.8"]
+
+
+def test_auto_reads_the_picks_per_bucket(llm, tmp_path):
+    tune_file(llm, tmp_path, {"t<=0.8": {"tree_budget": "chain"}, "t>0.8": {"tree_budget": "ar"}})
+    picks = resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=0)
+    assert picks == {"greedy": 8, "t<=0.4": 8, "t<=0.8": "chain", "t>0.8": "ar"}
+
+
+def test_a_file_without_buckets_gives_its_greedy_pick_everywhere(llm, tmp_path):
+    lines: list[str] = []
+    path = tune_file(llm, tmp_path)
+    assert resolve_auto_budgets(llm, tmp_path, log=lines.append, time_limit_s=0) == dict.fromkeys(BUCKET_NAMES, 8)
+    assert any("greedy traffic only" in line for line in lines)
+    assert bucket_picks(read_tune_file(path)) == dict.fromkeys(BUCKET_NAMES, 8)
+
+
+def test_a_sampled_tune_keeps_its_calibrated_greedy_pick(llm, tmp_path):
+    """`ddtree tune --temperature 0.6`: the sweep's pick serves t<=0.8, a calibration's serves greedy."""
+    path = tune_file(llm, tmp_path, {"greedy": {"tree_budget": 64, "source": "calibration"},
+                                     "t<=0.8": {"tree_budget": 8, "source": "sweep"}})
+    assert bucket_picks(read_tune_file(path)) == {"greedy": 64, "t<=0.4": 8, "t<=0.8": 8, "t>0.8": 8}
+
+
+def test_calibration_samples_at_the_bucket_temperature(llm, monkeypatch):
+    """Made-up speeds and acceptance: the calibration passes its temperature on and records acceptance."""
+    seen: set[float] = set()
+
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        seen.add(params.temperature)
+        speed = {"ar": 100.0, "chain": 60.0}.get(budget, 30.0)
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens, decode_rounds=4,
+                             accepted_tokens=6, e2el_s=params.max_tokens / speed)
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    budget, summary = calibrate(llm, time_limit_s=0.2, budgets=["ar", "chain", 16], temperature=1.0)
+    assert seen == {1.0} and budget == "ar"
+    assert summary["mean_acceptance_length"]["chain"] == pytest.approx(1.5)
+    assert summary["mean_acceptance_length"]["ar"] == 1.0
+
+
+def test_server_auto_serves_each_temperature_with_its_bucket_pick(demo_pair, llm):
+    llm.auto_budgets = {"greedy": 8, "t<=0.4": 8, "t<=0.8": "chain", "t>0.8": "ar"}
+    try:
+        with TestClient(create_app(llm, tree_budget_mode="auto")) as client:
+            used = {}
+            for temperature in (0, 0.6, 1.0):
+                body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": temperature, "seed": 1,
+                        "ignore_eos": True}
+                reply = client.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                used[temperature] = reply.json()["ddtree"]["tree_budget"]
+            named = client.post("/v1/completions", json={**body, "tree_budget": "chain"}).json()
+            values = metric_values(client.get("/metrics").text)
+    finally:
+        llm.auto_budgets = None
+    assert used == {0: "8", 0.6: "chain", 1.0: "ar"}
+    assert named["ddtree"]["tree_budget"] == "chain"  # a request's own tree_budget still wins
+    assert metric(values, "ddtree:auto_tree_budget", temperature_bucket="t>0.8", tree_budget="ar") == 1
+    assert metric(values, "ddtree:auto_tree_budget", temperature_bucket="greedy", tree_budget="8") == 1
