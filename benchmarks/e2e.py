@@ -88,7 +88,9 @@ def main() -> None:
               f"x{r['speedup_vs_chain'] or 0:5.2f} vs chain  accept {r['mean_acceptance_length']:5.2f}  "
               f"parity ar {r.get('parity_vs_ar', 0):.2f} eager {r['parity_vs_eager']}", flush=True)
     if best:
-        print(f"best budget {best['tree_budget']}: x{best['speedup_vs_chain']:.2f} vs chain, x{best['speedup_vs_ar']:.2f} vs ar; wrote {out}")
+        margins = ", ".join(f"x{best[key]:.2f} vs {name}" for key, name in (("speedup_vs_chain", "chain"), ("speedup_vs_ar", "ar"))
+                            if best[key] is not None)  # None: that baseline was not in --budgets
+        print(f"best budget {best['tree_budget']}: {margins}; wrote {out}")
 
 
 def write_result(args, graphs: LLM, rows: list[dict], outputs: dict, prompts: int):

@@ -33,7 +33,8 @@ class LiveServer:
     """Starts the server, waits for /health 200; `stop()` sends SIGTERM and returns the exit code."""
 
     def __init__(self, target: Path, draft: Path, *extra: str, api_key: str | None = API_KEY,
-                 max_model_len: int = 160, name: str = "ddtree-test", launcher: tuple[str, ...] = ("-m", "ddtree.cli")):
+                 max_model_len: int = 160, name: str = "ddtree-test", launcher: tuple[str, ...] = ("-m", "ddtree.cli"),
+                 device: str = "cpu"):
         """launcher: what runs `ddtree` (python's arguments before "serve"), e.g. ("-c", code) to run
         code that patches the server before calling ddtree.cli.main(sys.argv[1:])."""
         self.port = free_port()
@@ -41,7 +42,7 @@ class LiveServer:
         self.model = name
         self.api_key = api_key
         cmd = [sys.executable, *launcher, "serve", "--target", str(target), "--draft", str(draft),
-               "--port", str(self.port), "--max-model-len", str(max_model_len), "--device", "cpu",
+               "--port", str(self.port), "--max-model-len", str(max_model_len), "--device", device,
                "--served-model-name", name, "--log-level", "warning", *extra]
         if api_key:
             cmd += ["--api-key", api_key]

@@ -63,6 +63,10 @@ class ServerMetrics:
         self.auto_tree_budget = Gauge("ddtree:auto_tree_budget",
                                       "1 for the tree budget --tree-budget auto chose for each temperature bucket",
                                       m + ["temperature_bucket", "tree_budget"], registry=r)
+        self.gpu_memory = Gauge("ddtree:gpu_memory_bytes",
+                                "GPU memory of the model's device after the last request (cuda only), as the "
+                                "caching allocator counts it: allocated or reserved",
+                                m + ["kind"], registry=r)
         self.acceptance_length = Histogram("ddtree:acceptance_length",
                                            "Acceptance length per drafted round (bonus token counted)", m,
                                            buckets=ACCEPTANCE_BUCKETS, registry=r)
@@ -83,6 +87,10 @@ class ServerMetrics:
 
     def set_budgets_allocated(self, count: int) -> None:
         self.budgets_allocated.labels(self.model_name).set(count)
+
+    def set_gpu_memory(self, allocated: int, reserved: int) -> None:
+        self.gpu_memory.labels(self.model_name, "allocated").set(allocated)
+        self.gpu_memory.labels(self.model_name, "reserved").set(reserved)
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)

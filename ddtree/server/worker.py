@@ -275,6 +275,13 @@ class EngineWorker:
         working_set = getattr(self.llm, "working_set", None)
         if working_set is not None:
             self.metrics.set_budgets_allocated(len(working_set.held))
+        device = getattr(self.llm, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            # The caching allocator's view, after the request: what the working set and the KV cache
+            # hold (allocated) and what the process keeps from the driver (reserved).
+            self.metrics.set_gpu_memory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
     def _die(self, exc: BaseException, request_id: str) -> None:
         with self._lock:
