@@ -1,9 +1,14 @@
-"""`--tree-budget auto` against `ar` and fixed budgets at several temperatures, in process.
+"""The budget of requests that name none against `ar` and fixed budgets at several temperatures, in
+process: `auto` (a tune file's pick per temperature bucket) and `adaptive` (what `ddtree serve`
+does without --tree-budget: ddtree.budget_selector measuring the candidates while serving).
 
-Usage: python -m benchmarks.auto_by_temperature TUNE_FILE OUTPUT.json [--prompts N] [--max-tokens N]
-       [--device cpu|cuda]
-The auto budget is what the server would use: the tune file's pick for the request's temperature
-bucket (`LLM.auto_budgets`, a request naming no tree_budget).
+Usage: python -m benchmarks.auto_by_temperature OUTPUT.json [--tune-file TUNE_FILE] [--prompts N]
+       [--repeats R] [--max-tokens N] [--device cpu|cuda]
+
+Every row runs the same requests: N held-out prompts, R times each (a new sampling seed each time),
+one after another. `adaptive` starts from nothing at each temperature, so its figures include its
+trials of every candidate; `steady_median_tokens_per_second` leaves out the requests before its
+trials ended.
 """
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 
 from ddtree.bench.report import median
 from ddtree.bench.runner import OfflineBackend
 from ddtree.bench.tune import _calibration_prompts, bucket_picks, read_tune_file
+from ddtree.budget_selector import CANDIDATES, OnlineBudgetSelector
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.temperature_buckets import bucket_of
@@ -25,44 +32,63 @@ TEMPERATURES = [0.0, 0.6, 1.0]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("tune_file")
     parser.add_argument("output")
+    parser.add_argument("--tune-file", default=None, help="adds the `auto` row: this file's pick per bucket")
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs, as served)")
     args = parser.parse_args()
     llm = LLM(device=args.device)
-    llm.auto_budgets = bucket_picks(read_tune_file(args.tune_file))
+    picks = bucket_picks(read_tune_file(args.tune_file)) if args.tune_file else None
     backend = OfflineBackend(llm)
     backend.prompt_ids = dict(enumerate(_calibration_prompts(llm, args.max_tokens)[:args.prompts]))
+    requests = [(i, r) for r in range(args.repeats) for i in range(args.prompts)]
     # Every graph a budget can use (prefill lengths, each KV bucket's front) captured before timing:
     # otherwise each budget's first requests at a new prompt length or KV bucket pay a capture.
-    for budget in {str(b) for b in FIXED} | {str(b) for b in llm.auto_budgets.values()}:
+    for budget in {str(b) for b in FIXED + list(CANDIDATES)} | {str(b) for b in (picks or {}).values()}:
         llm.warmup(budget)
+
+    def run(budget, temperature: float, seed: int, index: int):
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
+                                seed=seed if temperature > 0 else None, ignore_eos=True)
+        return backend.generate_one(index, budget, params, time.perf_counter())
+
     results = []
     for temperature in TEMPERATURES:
-        for budget in FIXED + ["auto"]:
-            used = llm.budget_for(temperature) if budget == "auto" else budget
-            tps, accepted, rounds = [], 0, 0
-            # Untimed first: a budget's first request allocates its buffers and captures its graphs.
-            backend.generate_one(0, None if budget == "auto" else budget,
-                                 SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=0,
-                                                ignore_eos=True), time.perf_counter())
-            for i in range(args.prompts):
-                params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
-                                        seed=i if temperature > 0 else None, ignore_eos=True)
-                out = backend.generate_one(i, None if budget == "auto" else budget, params, time.perf_counter())
+        bucket = bucket_of(temperature).name
+        rows = [(str(b), lambda b=b: b) for b in FIXED]
+        if picks is not None:
+            rows.append(("auto", lambda: picks.get(bucket, llm.default_budget)))
+        selector = OnlineBudgetSelector()
+        rows.append(("adaptive", lambda: selector.choose(bucket)))
+        for name, choose in rows:
+            tps, used, accepted, rounds, decode_tokens, decode_seconds = [], [], 0, 0, 0, 0.0
+            for i, r in requests:
+                budget = choose()
+                out = run(budget, temperature, r * args.prompts + i, i)
+                spent = sum(out.itl_s)  # after the first token: what the budget changes
+                if name == "adaptive":
+                    selector.observe(bucket, budget, out.output_tokens - 1, spent)
                 tps.append(out.tokens_per_second)
-                accepted += out.accepted_tokens or 0
-                rounds += out.decode_rounds or 0
-            row = {"temperature": temperature, "tree_budget": str(budget), "budget_used": str(used),
+                used.append(str(budget))
+                decode_tokens += out.output_tokens - 1
+                decode_seconds += spent
+                if str(budget) != "ar":
+                    accepted += out.accepted_tokens or 0
+                    rounds += out.decode_rounds or 0
+            trials = 2 * len(CANDIDATES) if name == "adaptive" else 0
+            row = {"temperature": temperature, "tree_budget": name, "budgets_used": dict(Counter(used)),
                    "median_tokens_per_second": round(median(tps), 2),
-                   "mean_acceptance_length": round(accepted / rounds, 3) if rounds and used != "ar" else 1.0}
+                   "steady_median_tokens_per_second": round(median(tps[trials:]), 2),
+                   "decode_tokens_per_second": round(decode_tokens / decode_seconds, 2),
+                   "mean_acceptance_length": round(accepted / rounds, 3) if rounds else 1.0}
             print(json.dumps(row), flush=True)
             results.append(row)
     json.dump({"command": "python -m benchmarks.auto_by_temperature " + " ".join(sys.argv[1:]),
-               "auto_picks": {k: str(v) for k, v in llm.auto_budgets.items()},
-               "device": str(llm.device), "dtype": str(llm.dtype),
+               "auto_picks": {k: str(v) for k, v in picks.items()} if picks else None,
+               "adaptive_candidates": [str(b) for b in CANDIDATES],
+               "device": str(llm.device), "dtype": str(llm.dtype), "requests_per_row": len(requests),
                "buckets_of": {str(t): bucket_of(t).name for t in TEMPERATURES},
                "results": results}, open(args.output, "w"), indent=2)
 

@@ -120,6 +120,9 @@ class LLM:
                 raise needs_drafter_error(self.default_budget)
         # --tree-budget auto: the budget per temperature bucket (ddtree.temperature_buckets), else None
         self.auto_budgets: dict[str, TreeBudget] | None = None
+        # Without auto_budgets: picks the budget of requests that name none from their measured speed
+        # (ddtree.budget_selector; `ddtree serve` without --tree-budget sets one).
+        self.budget_selector = None
 
         cfg = TargetConfig.from_dir(self.target_path)
         limit = context_limit(cfg, max_model_len)
@@ -213,8 +216,11 @@ class LLM:
 
     def budget_for(self, temperature: float) -> TreeBudget:
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
-        temperature bucket's pick, else the default."""
+        temperature bucket's pick, else the budget selector's choice for that bucket, else the
+        default."""
         if self.auto_budgets is None:
+            if self.budget_selector is not None:
+                return self.budget_selector.choose(bucket_of(temperature).name)
             return self.default_budget
         return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
 

@@ -19,7 +19,7 @@ MAX_MODEL_LEN = 160
 
 @pytest.fixture(scope="module")
 def server(demo_pair):
-    with LiveServer(*demo_pair, max_model_len=MAX_MODEL_LEN) as live:
+    with LiveServer(*demo_pair, "--tree-budget", "64", max_model_len=MAX_MODEL_LEN) as live:
         yield live
 
 

@@ -70,8 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--tree-budget", default=None,
-                   help="default budget of requests that name none: ar, chain, an integer >= 1, or auto "
-                        "(measure on this machine at start-up; default 64)")
+                   help="budget of requests that name none: ar, chain, an integer >= 1, or auto (a tune "
+                        "file's pick per temperature, or measured at start-up); default: the fastest of ar, 16 "
+                        "and 64 per temperature, measured on the requests served")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (prefer DDTREE_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -98,9 +99,9 @@ def flag_enabled(value: bool | str, name: str) -> bool:
     return word in TRUE_WORDS
 
 
-def _load(args: argparse.Namespace, budget, warmup: bool = False):
-    """Load the pair, settle its default tree budget (measuring it for 'auto') and, with `warmup`,
-    capture that budget's graphs."""
+def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budget: int | None = None):
+    """Load the pair, settle its default tree budget (measuring it for 'auto'; with no --tree-budget,
+    choosing it while serving) and, with `warmup`, capture that budget's graphs."""
     from ddtree.llm import LLM
 
     fixed = budget not in (None, "auto")
@@ -115,12 +116,22 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False):
         llm.default_budget = parse_tree_budget(llm.auto_budgets[GREEDY.name])
         log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s", llm.default_budget,
                  ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()))
+    if budget is None and llm.drafter is not None:
+        from ddtree.budget_selector import CANDIDATES, OnlineBudgetSelector
+
+        candidates = tuple(b for b in CANDIDATES if b == AR or max_tree_budget is None or b <= max_tree_budget)
+        if len(candidates) > 1:
+            llm.budget_selector = OnlineBudgetSelector(candidates)
+            log.info("tree budget: requests that name none get the fastest of %s for their temperature, as "
+                     "measured while serving (--tree-budget N or auto fixes it)", ", ".join(map(str, candidates)))
     if warmup:
         start = time.perf_counter()
-        llm.warmup()
+        budgets = llm.budget_selector.candidates if llm.budget_selector else (llm.default_budget,)
+        for budget_to_warm in budgets:
+            llm.warmup(budget_to_warm)
         e = llm.engine
         graphs = len(e.prefill_graphs) + len(e.front_graphs) + len(e.back_graphs)
-        log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", llm.default_budget,
+        log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", ", ".join(map(str, budgets)),
                  time.perf_counter() - start, graphs)
     return llm
 
@@ -186,8 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            llm = _load(args, budget, warmup)
-            worker.attach(llm, "auto" if budget == "auto" else "fixed")
+            llm = _load(args, budget, warmup, limits.max_tree_budget)
+            worker.attach(llm, "auto" if budget == "auto" else "adaptive" if llm.budget_selector else "fixed")
             log.info("serving %r on http://%s:%d", name, args.host, args.port)
         except BaseException as exc:  # reported after the HTTP server has stopped
             outcome["error"] = exc

@@ -27,6 +27,7 @@ from typing import Callable
 
 from ddtree.config import AR, DDTreeError, SamplingParams, TreeBudget
 from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
+from ddtree.temperature_buckets import bucket_of
 
 log = logging.getLogger("ddtree.server")
 
@@ -268,6 +269,11 @@ class EngineWorker:
         self.metrics.record_request(prompt_tokens=len(job.prompt_ids), output_tokens=output_tokens,
                                     finish_reason=finish_reason, ttft_s=ttft,
                                     e2e_s=time.perf_counter() - job.arrival, first_to_last_s=span)
+        selector = getattr(self.llm, "budget_selector", None)
+        if selector is not None and finish_reason != "abort" and span is not None:
+            # The decode after the first token: the prefill and the queue are the same for every budget.
+            selector.observe(bucket_of(job.params.temperature).name, job.budget, output_tokens - 1, span)
+            self.metrics.set_budget_estimates(selector.estimates())
         self._running = 0
         self._update_queue_gauges()
 

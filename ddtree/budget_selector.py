@@ -1,0 +1,95 @@
+"""The server's default tree budget when no tune file says otherwise: measured while serving.
+
+Which budget is fastest depends on the machine and on the temperature (on an H200 with the demo
+pair budget 64 is 3.6x plain decoding at T = 0 and 0.87x at T = 1; on a 2-core CPU plain decoding
+wins at both), so no fixed default is right everywhere. `OnlineBudgetSelector` keeps, per
+temperature bucket, the decode tokens/s each candidate budget delivered to recent requests and
+gives a request that names no budget the candidate with the best figure. Each candidate is first
+tried `min_samples` times in turn, and every `revisit_every`-th request of a bucket goes to the
+candidate measured longest ago, so a change in load or prompts is noticed. Every budget gives the
+same tokens (the tree is lossless), so trying one costs time, never correctness.
+
+Thread-safe: requests are admitted from worker threads while the engine thread records results.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from ddtree.config import AR, TreeBudget, tree_budget_label
+from ddtree.temperature_buckets import BUCKET_NAMES
+
+CANDIDATES: tuple[TreeBudget, ...] = (AR, 16, 64)
+
+
+@dataclass
+class _Candidate:
+    budget: TreeBudget
+    samples: deque = field(default_factory=lambda: deque(maxlen=8))  # (tokens, seconds) of recent requests
+    chosen: int = 0  # requests this selector gave it
+    last_used: int = -1  # the bucket's request count when it was last chosen or measured
+
+    def tokens_per_second(self) -> float | None:
+        seconds = sum(s for _, s in self.samples)
+        return sum(t for t, _ in self.samples) / seconds if seconds > 0 else None
+
+
+class OnlineBudgetSelector:
+    """Per temperature bucket, the candidate budget with the best recent decode tokens/s."""
+
+    def __init__(self, candidates: tuple[TreeBudget, ...] = CANDIDATES, min_samples: int = 2,
+                 revisit_every: int = 16, window: int = 8, min_tokens: int = 8):
+        if not candidates:
+            raise ValueError("at least one candidate budget is needed")
+        self.candidates = tuple(candidates)
+        self.min_samples = min_samples
+        self.revisit_every = revisit_every
+        self.min_tokens = min_tokens  # shorter requests say little about a budget's speed
+        self._lock = threading.Lock()
+        self._buckets = {name: [_Candidate(b, deque(maxlen=window)) for b in self.candidates] for name in BUCKET_NAMES}
+        self._requests = dict.fromkeys(BUCKET_NAMES, 0)
+
+    def choose(self, bucket: str) -> TreeBudget:
+        """The budget for the next request of `bucket` that names none."""
+        with self._lock:
+            count = self._requests[bucket] = self._requests[bucket] + 1
+            candidates = self._buckets[bucket]
+            # Short or aborted requests are not measured: a candidate is retried a bounded number of times.
+            untried = [c for c in candidates if len(c.samples) < self.min_samples and c.chosen < 2 * self.min_samples]
+            if untried:
+                pick = min(untried, key=lambda c: c.chosen)
+            elif count % self.revisit_every == 0:
+                pick = min(candidates, key=lambda c: c.last_used)
+            else:
+                pick = _fastest(candidates)
+            pick.chosen += 1
+            pick.last_used = count
+            return pick.budget
+
+    def observe(self, bucket: str, budget: TreeBudget, tokens: int, seconds: float) -> None:
+        """A finished request of `bucket` decoded `tokens` tokens after its first in `seconds`."""
+        if tokens < self.min_tokens or seconds <= 0:
+            return
+        with self._lock:
+            for candidate in self._buckets[bucket]:
+                if candidate.budget == budget:
+                    candidate.samples.append((tokens, seconds))
+                    candidate.last_used = max(candidate.last_used, self._requests[bucket])
+
+    def estimates(self) -> dict[str, dict[str, float]]:
+        """{bucket: {budget label: recent decode tokens/s}} for the candidates measured so far."""
+        with self._lock:
+            return {name: {tree_budget_label(c.budget): rate for c in candidates
+                           if (rate := c.tokens_per_second()) is not None}
+                    for name, candidates in self._buckets.items()}
+
+    def picks(self) -> dict[str, str]:
+        """{bucket: the label of the budget a request would get now, exploration aside}."""
+        with self._lock:
+            return {name: tree_budget_label(_fastest(candidates).budget) for name, candidates in self._buckets.items()}
+
+
+def _fastest(candidates: list[_Candidate]) -> _Candidate:
+    """The best measured rate; unmeasured candidates lose to any measured one (the first wins ties)."""
+    return max(candidates, key=lambda c: rate if (rate := c.tokens_per_second()) is not None else -1.0)

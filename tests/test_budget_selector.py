@@ -1,0 +1,113 @@
+"""The server's default tree budget, chosen per temperature bucket from the decode speed measured
+while serving (ddtree.budget_selector), and `ddtree serve` without --tree-budget using it."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ddtree.budget_selector import OnlineBudgetSelector
+from server_process import LiveServer, metric_values
+
+
+def test_each_candidate_is_tried_in_turn_then_the_fastest_is_chosen():
+    selector = OnlineBudgetSelector(("ar", 16, 64), min_samples=2, revisit_every=100)
+    first = [selector.choose("t>0.8") for _ in range(6)]
+    assert first == ["ar", 16, 64, "ar", 16, 64]
+    speed = {"ar": 100.0, 16: 80.0, 64: 50.0}
+    for budget in first:
+        selector.observe("t>0.8", budget, tokens=32, seconds=32 / speed[budget])
+    assert [selector.choose("t>0.8") for _ in range(5)] == ["ar"] * 5
+    assert selector.picks()["t>0.8"] == "ar"
+    assert selector.estimates()["t>0.8"] == pytest.approx({str(b): v for b, v in speed.items()})
+    # Buckets are measured apart: greedy traffic starts its own trials.
+    assert selector.choose("greedy") == "ar" and selector.choose("greedy") == 16
+
+
+def test_a_budget_that_becomes_faster_takes_over_and_revisits_notice_it():
+    selector = OnlineBudgetSelector(("ar", 64), min_samples=1, revisit_every=4, window=2)
+    for budget, rate in (("ar", 100.0), (64, 50.0)):
+        assert selector.choose("greedy") == budget
+        selector.observe("greedy", budget, 40, 40 / rate)
+    chosen = []
+    for _ in range(8):
+        budget = selector.choose("greedy")
+        chosen.append(budget)
+        rate = 300.0 if budget == 64 else 100.0  # 64 got faster (say, a sharper workload)
+        selector.observe("greedy", budget, 40, 40 / rate)
+    # Requests 4 and 8 of the bucket revisit 64; once its window holds only fast runs, it wins.
+    assert chosen == ["ar", 64, "ar", "ar", "ar", 64, 64, 64]
+
+
+def test_short_aborted_and_unknown_requests_do_not_count():
+    selector = OnlineBudgetSelector(("ar", 16), min_samples=1, min_tokens=8)
+    assert [selector.choose("greedy") for _ in range(2)] == ["ar", 16]
+    selector.observe("greedy", "ar", tokens=3, seconds=0.01)  # too short to say anything
+    selector.observe("greedy", 256, tokens=100, seconds=1.0)  # not a candidate
+    selector.observe("greedy", 16, tokens=40, seconds=0.0)
+    assert selector.estimates()["greedy"] == {}
+    # ar and 16 are retried a bounded number of times, then the first candidate is the fallback.
+    assert [selector.choose("greedy") for _ in range(2)] == ["ar", 16]
+    assert [selector.choose("greedy") for _ in range(3)] == ["ar", "ar", "ar"]
+
+
+def test_choices_and_observations_from_many_threads():
+    selector = OnlineBudgetSelector(("ar", 16, 64), min_samples=2)
+    errors = []
+
+    def client(seed: int):
+        try:
+            for i in range(200):
+                budget = selector.choose("t<=0.8")
+                selector.observe("t<=0.8", budget, 10 + (seed + i) % 7, 0.1)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert set(selector.estimates()["t<=0.8"]) == {"ar", "16", "64"}
+
+
+def test_constructor_refuses_no_candidates():
+    with pytest.raises(ValueError):
+        OnlineBudgetSelector(())
+
+
+@pytest.fixture(scope="module")
+def default_server(demo_pair):
+    with LiveServer(*demo_pair, max_model_len=96) as live:  # no --tree-budget
+        yield live
+
+
+def completion(http, **extra) -> dict:
+    body = {"prompt": "def fib(n):", "max_tokens": 12, "ignore_eos": True, "return_token_ids": True, **extra}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_serve_without_a_budget_measures_the_candidates_per_temperature(default_server):
+    with default_server.client() as http:
+        health = http.get("/health").json()
+        assert health["tree_budget_mode"] == "adaptive"
+        sampled = [completion(http, temperature=1.0, seed=i)["ddtree"]["tree_budget"] for i in range(6)]
+        assert sampled == ["ar", "16", "64", "ar", "16", "64"]
+        greedy = [completion(http, temperature=0) for _ in range(4)]
+        fixed = completion(http, temperature=0, tree_budget="ar")
+        values = metric_values(http.get("/metrics").text)
+    assert [g["ddtree"]["tree_budget"] for g in greedy] == ["ar", "16", "64", "ar"]
+    # Whatever the selector picks, the tokens are the target's own (float32, lossless).
+    assert all(g["choices"][0]["token_ids"] == fixed["choices"][0]["token_ids"] for g in greedy)
+    rates = {dict(labels)["tree_budget"]: v for (name, labels), v in values.items()
+             if name == "ddtree:budget_tokens_per_second" and dict(labels)["temperature_bucket"] == "t>0.8"}
+    assert set(rates) == {"ar", "16", "64"} and all(v > 0 for v in rates.values())
+
+
+def test_serve_with_a_fixed_budget_does_not_adapt(demo_pair):
+    with LiveServer(*demo_pair, "--tree-budget", "16", max_model_len=96) as live, live.client() as http:
+        assert http.get("/health").json()["tree_budget_mode"] == "fixed"
+        assert {completion(http, temperature=1.0, seed=i)["ddtree"]["tree_budget"] for i in range(4)} == {"16"}
