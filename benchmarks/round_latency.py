@@ -24,28 +24,11 @@ from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.config import AR, SamplingParams, parse_tree_budget
 from ddtree.engine import Engine, tree_size
-from ddtree.models.configs import DrafterConfig, GatedDeltaNetConfig, RopeConfig, TargetConfig, build_target_layer_ids
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.hybrid import HybridTarget
+from ddtree.models.known_shapes import named_pair
 from ddtree.models.target import TargetModel
 from ddtree.models.layers import RotaryTable
-
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, intermediate_size=12288, vocab_size=151936, rms_norm_eps=1e-6,
-                rope=RopeConfig(theta=1000000.0), max_position_embeddings=40960, qk_norm=True)
-
-
-# Qwen3.6-27B's text model: 16 x (3 Gated DeltaNet + 1 gated attention) layers.
-QWEN36_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                  head_dim=256, intermediate_size=17408, vocab_size=248320, rms_norm_eps=1e-6,
-                  rope=RopeConfig(theta=10000000.0, partial_rotary_factor=0.25), max_position_embeddings=262144,
-                  qk_norm=True)
-QWEN36_GDN = GatedDeltaNetConfig(num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=128,
-                                 conv_kernel=4)
-# Its DFlash drafter: 5 Qwen3-shaped layers (4 sliding-window of 2048, then 1 full), block 16,
-# reading target layers 1, 16, 31, 46, 61. Its attention heads (32 q / 8 kv of 128) are assumed.
-QWEN36_DRAFTER = dict(QWEN36_27B, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      rope=RopeConfig(theta=10000000.0))
 
 
 def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -62,19 +45,8 @@ def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
 def build_models(device, dtype, draft_layers: int, block: int, max_len: int, shape: str = "qwen3-8b"):
     """Random-weight target and drafter of `shape`, built in `dtype` directly (a 27B model in
     float32 would not fit beside its bf16 copy)."""
-    if shape == "qwen3.6-27b":
-        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
-        tcfg = TargetConfig(**QWEN36_27B, architecture="qwen3_5", layer_types=layer_types, gdn=QWEN36_GDN)
-        dcfg = DrafterConfig(**QWEN36_DRAFTER, block_size=block, num_target_layers=64,
-                             target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070,
-                             layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)
-        target_class = HybridTarget
-    else:
-        tcfg = TargetConfig(**QWEN3_8B, architecture="qwen3")
-        dcfg = DrafterConfig(**{**QWEN3_8B, "num_hidden_layers": draft_layers}, block_size=block,
-                             num_target_layers=36, target_layer_ids=build_target_layer_ids(36, draft_layers),
-                             mask_token_id=151935, layer_types=["full_attention"] * draft_layers)
-        target_class = TargetModel
+    tcfg, dcfg = named_pair(shape, draft_layers, block)
+    target_class = HybridTarget if tcfg.hybrid else TargetModel
     positions = max_len + 4096 + 512
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
