@@ -6,7 +6,7 @@ Usage: python -m benchmarks.auto_by_temperature OUTPUT.json [--tune-file TUNE_FI
        [--repeats R] [--max-tokens N] [--device cpu|cuda]
 
 Every row runs the same requests: N held-out prompts, R times each (a new sampling seed each time),
-one after another. `adaptive` starts from nothing at each temperature, so its figures include its
+one after another, the rows taking turns request by request. `adaptive` starts from nothing at each temperature, so its figures include its
 trials of every candidate; `steady_median_tokens_per_second` leaves out the requests before its
 trials ended.
 """
@@ -57,32 +57,34 @@ def main() -> None:
     results = []
     for temperature in TEMPERATURES:
         bucket = bucket_of(temperature).name
-        rows = [(str(b), lambda b=b: b) for b in FIXED]
+        rows = {str(b): (lambda b=b: b) for b in FIXED}
         if picks is not None:
-            rows.append(("auto", lambda: picks.get(bucket, llm.default_budget)))
+            rows["auto"] = lambda: picks.get(bucket, llm.default_budget)
         selector = OnlineBudgetSelector()
-        rows.append(("adaptive", lambda: selector.choose(bucket)))
-        for name, choose in rows:
-            tps, used, accepted, rounds, decode_tokens, decode_seconds = [], [], 0, 0, 0, 0.0
-            for i, r in requests:
+        rows["adaptive"] = lambda: selector.choose(bucket)
+        runs = {name: [] for name in rows}
+        # Request by request, every row in turn: a shared machine's load drifts, and this way the
+        # drift falls on every row alike.
+        for i, r in requests:
+            for name, choose in rows.items():
                 budget = choose()
                 out = run(budget, temperature, r * args.prompts + i, i)
-                spent = sum(out.itl_s)  # after the first token: what the budget changes
                 if name == "adaptive":
-                    selector.observe(bucket, budget, out.output_tokens - 1, spent)
-                tps.append(out.tokens_per_second)
-                used.append(str(budget))
-                decode_tokens += out.output_tokens - 1
-                decode_seconds += spent
-                if str(budget) != "ar":
-                    accepted += out.accepted_tokens or 0
-                    rounds += out.decode_rounds or 0
+                    selector.observe(bucket, budget, out.output_tokens - 1, sum(out.itl_s))
+                runs[name].append((budget, out))
+        for name, done in runs.items():
             trials = 2 * len(CANDIDATES) if name == "adaptive" else 0
-            row = {"temperature": temperature, "tree_budget": name, "budgets_used": dict(Counter(used)),
+            tps = [out.tokens_per_second for _, out in done]
+            drafted = [out for budget, out in done if str(budget) != "ar"]
+            rounds = sum(out.decode_rounds or 0 for out in drafted)
+            decode_seconds = sum(sum(out.itl_s) for _, out in done)  # after the first token
+            row = {"temperature": temperature, "tree_budget": name,
+                   "budgets_used": dict(Counter(str(budget) for budget, _ in done)),
                    "median_tokens_per_second": round(median(tps), 2),
                    "steady_median_tokens_per_second": round(median(tps[trials:]), 2),
-                   "decode_tokens_per_second": round(decode_tokens / decode_seconds, 2),
-                   "mean_acceptance_length": round(accepted / rounds, 3) if rounds else 1.0}
+                   "decode_tokens_per_second": round(sum(out.output_tokens - 1 for _, out in done) / decode_seconds, 2),
+                   "mean_acceptance_length": round(sum(out.accepted_tokens or 0 for out in drafted) / rounds, 3)
+                   if rounds else 1.0}
             print(json.dumps(row), flush=True)
             results.append(row)
     json.dump({"command": "python -m benchmarks.auto_by_temperature " + " ".join(sys.argv[1:]),

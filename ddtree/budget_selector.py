@@ -1,13 +1,16 @@
 """The server's default tree budget when no tune file says otherwise: measured while serving.
 
 Which budget is fastest depends on the machine and on the temperature (on an H200 with the demo
-pair budget 64 is 3.6x plain decoding at T = 0 and 0.87x at T = 1; on a 2-core CPU plain decoding
-wins at both), so no fixed default is right everywhere. `OnlineBudgetSelector` keeps, per
+pair budget 64 is about twice as fast as plain decoding at T = 0 and 0.87x at T = 1; on a 2-core
+CPU it is 0.7x at T = 0 and 0.3x at T = 1), so no fixed default is right everywhere. `OnlineBudgetSelector` keeps, per
 temperature bucket, the decode tokens/s each candidate budget delivered to recent requests and
 gives a request that names no budget the candidate with the best figure. Each candidate is first
-tried `min_samples` times in turn, and every `revisit_every`-th request of a bucket goes to the
-candidate measured longest ago, so a change in load or prompts is noticed. Every budget gives the
-same tokens (the tree is lossless), so trying one costs time, never correctness.
+tried `min_samples` times in turn; after that a slower candidate is tried again once
+`revisit_every` x s^2 of the bucket's requests have passed since it last ran, s being how many
+times slower it measured (s^2 capped at 64), so a change in load or prompts is noticed. A revisit
+costs (s - 1) requests' time every `revisit_every` s^2 requests: under 1/(4 x revisit_every) of
+the bucket's time per candidate, whatever s is. Every budget gives the same tokens (the tree is
+lossless), so trying one costs time, never correctness.
 
 Thread-safe: requests are admitted from worker threads while the engine thread records results.
 """
@@ -57,15 +60,25 @@ class OnlineBudgetSelector:
             candidates = self._buckets[bucket]
             # Short or aborted requests are not measured: a candidate is retried a bounded number of times.
             untried = [c for c in candidates if len(c.samples) < self.min_samples and c.chosen < 2 * self.min_samples]
+            best = _fastest(candidates)
+            overdue = [(count - c.last_used) / self._revisit_period(c, best) for c in candidates]
             if untried:
                 pick = min(untried, key=lambda c: c.chosen)
-            elif count % self.revisit_every == 0:
-                pick = min(candidates, key=lambda c: c.last_used)
+            elif max(overdue) >= 1.0:
+                pick = candidates[overdue.index(max(overdue))]
             else:
-                pick = _fastest(candidates)
+                pick = best
             pick.chosen += 1
             pick.last_used = count
             return pick.budget
+
+    def _revisit_period(self, candidate: _Candidate, best: _Candidate) -> float:
+        """Requests of the bucket between tries of `candidate`: revisit_every x (best rate / its rate)^2."""
+        if candidate is best:
+            return float("inf")
+        rate, top = candidate.tokens_per_second(), best.tokens_per_second()
+        slowdown_squared = 64.0 if not rate or not top else min((top / rate) ** 2, 64.0)
+        return self.revisit_every * max(slowdown_squared, 1.0)
 
     def observe(self, bucket: str, budget: TreeBudget, tokens: int, seconds: float) -> None:
         """A finished request of `bucket` decoded `tokens` tokens after its first in `seconds`."""

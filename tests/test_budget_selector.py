@@ -25,7 +25,7 @@ def test_each_candidate_is_tried_in_turn_then_the_fastest_is_chosen():
 
 
 def test_a_budget_that_becomes_faster_takes_over_and_revisits_notice_it():
-    selector = OnlineBudgetSelector(("ar", 64), min_samples=1, revisit_every=4, window=2)
+    selector = OnlineBudgetSelector(("ar", 64), min_samples=1, revisit_every=1, window=2)
     for budget, rate in (("ar", 100.0), (64, 50.0)):
         assert selector.choose("greedy") == budget
         selector.observe("greedy", budget, 40, 40 / rate)
@@ -35,8 +35,22 @@ def test_a_budget_that_becomes_faster_takes_over_and_revisits_notice_it():
         chosen.append(budget)
         rate = 300.0 if budget == 64 else 100.0  # 64 got faster (say, a sharper workload)
         selector.observe("greedy", budget, 40, 40 / rate)
-    # Requests 4 and 8 of the bucket revisit 64; once its window holds only fast runs, it wins.
-    assert chosen == ["ar", 64, "ar", "ar", "ar", 64, 64, 64]
+    # 64, measured 2x slower, is revisited after 1 x 2^2 requests; then 1.17x slower, after 1.36
+    # more; once its window holds only fast runs it wins, and ar (now 3x slower) waits 9 requests.
+    assert chosen == ["ar", "ar", "ar", 64, "ar", 64, 64, 64]
+
+
+def test_revisits_of_a_slow_budget_cost_little():
+    selector = OnlineBudgetSelector(("ar", 16, 64), min_samples=2)  # revisit_every 16
+    speed = {"ar": 100.0, 16: 50.0, 64: 25.0}  # 16 is 2x and 64 4x slower than ar, and stay so
+    seconds = 0.0
+    for _ in range(1000):
+        budget = selector.choose("t>0.8")
+        seconds += 64 / speed[budget]
+        selector.observe("t>0.8", budget, 64, 64 / speed[budget])
+    # Against ar alone (1000 x 0.64 s): the six trials, then a revisit of 16 every 64 requests and
+    # of 64 every 256 cost 1 and 3 requests' time: 1 / 64 + 3 / 256 of the time, about 2.7%.
+    assert seconds / (1000 * 0.64) < 1.04
 
 
 def test_short_aborted_and_unknown_requests_do_not_count():
