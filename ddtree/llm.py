@@ -214,20 +214,20 @@ class LLM:
                 raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {shown(t)}", "prompt")
         return list(prompt)
 
-    def budget_for(self, temperature: float) -> TreeBudget:
+    def budget_for(self, temperature: float, context_tokens: int = 0) -> TreeBudget:
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
         temperature bucket's pick, else the budget selector's choice for that bucket, else the
         default."""
         if self.auto_budgets is None:
             if self.budget_selector is not None:
-                return self.budget_selector.choose(bucket_of(temperature).name)
+                return self.budget_selector.choose(bucket_of(temperature).name, context_tokens)
             return self.default_budget
         return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
 
-    def _budget(self, tree_budget: object, temperature: float = 0.0) -> TreeBudget:
+    def _budget(self, tree_budget: object, temperature: float = 0.0, context_tokens: int = 0) -> TreeBudget:
         """The request's tree budget (None: the default for its temperature), refused when it needs a
         missing drafter."""
-        budget = self.budget_for(temperature) if tree_budget is None else parse_tree_budget(tree_budget)
+        budget = self.budget_for(temperature, context_tokens) if tree_budget is None else parse_tree_budget(tree_budget)
         if budget != AR and self.drafter is None:
             raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
         return budget
@@ -235,7 +235,7 @@ class LLM:
     def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
         """Validate everything about a request before any work; return its tree budget."""
         params.validate()
-        budget = self._budget(tree_budget, params.temperature)
+        budget = self._budget(tree_budget, params.temperature, len(prompt_ids))
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise DDTreeError(

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ddtree.budget_selector import OnlineBudgetSelector
+from ddtree.budget_selector import OnlineBudgetSelector, context_bucket
 from server_process import LiveServer, metric_values
 
 
@@ -18,10 +18,18 @@ def test_each_candidate_is_tried_in_turn_then_the_fastest_is_chosen():
     for budget in first:
         selector.observe("t>0.8", budget, tokens=32, seconds=32 / speed[budget])
     assert [selector.choose("t>0.8") for _ in range(5)] == ["ar"] * 5
-    assert selector.picks()["t>0.8"] == "ar"
-    assert selector.estimates()["t>0.8"] == pytest.approx({str(b): v for b, v in speed.items()})
-    # Buckets are measured apart: greedy traffic starts its own trials.
+    assert selector.picks()[("t>0.8", "ctx<=2k")] == "ar"
+    assert selector.estimates()[("t>0.8", "ctx<=2k")] == pytest.approx({str(b): v for b, v in speed.items()})
+    # Buckets are measured apart: greedy traffic, or a long prompt, starts its own trials.
     assert selector.choose("greedy") == "ar" and selector.choose("greedy") == 16
+    assert selector.choose("t>0.8", context_tokens=20_000) == "ar"
+    assert selector.choose("t>0.8", context_tokens=20_000) == 16
+    assert selector.choose("t>0.8", context_tokens=2_000) == "ar"  # still the short bucket's pick
+
+
+def test_context_buckets():
+    assert [context_bucket(n) for n in (0, 2048, 2049, 8192, 32768, 32769, 10**6)] == \
+        ["ctx<=2k", "ctx<=2k", "ctx<=8k", "ctx<=8k", "ctx<=32k", "ctx>32k", "ctx>32k"]
 
 
 def test_a_budget_that_becomes_faster_takes_over_and_revisits_notice_it():
@@ -59,7 +67,7 @@ def test_short_aborted_and_unknown_requests_do_not_count():
     selector.observe("greedy", "ar", tokens=3, seconds=0.01)  # too short to say anything
     selector.observe("greedy", 256, tokens=100, seconds=1.0)  # not a candidate
     selector.observe("greedy", 16, tokens=40, seconds=0.0)
-    assert selector.estimates()["greedy"] == {}
+    assert selector.estimates()[("greedy", "ctx<=2k")] == {}
     # ar and 16 are retried a bounded number of times, then the first candidate is the fallback.
     assert [selector.choose("greedy") for _ in range(2)] == ["ar", 16]
     assert [selector.choose("greedy") for _ in range(3)] == ["ar", "ar", "ar"]
@@ -83,7 +91,7 @@ def test_choices_and_observations_from_many_threads():
     for t in threads:
         t.join()
     assert not errors
-    assert set(selector.estimates()["t<=0.8"]) == {"ar", "16", "64"}
+    assert set(selector.estimates()[("t<=0.8", "ctx<=2k")]) == {"ar", "16", "64"}
 
 
 def test_constructor_refuses_no_candidates():
@@ -117,7 +125,8 @@ def test_serve_without_a_budget_measures_the_candidates_per_temperature(default_
     # Whatever the selector picks, the tokens are the target's own (float32, lossless).
     assert all(g["choices"][0]["token_ids"] == fixed["choices"][0]["token_ids"] for g in greedy)
     rates = {dict(labels)["tree_budget"]: v for (name, labels), v in values.items()
-             if name == "ddtree:budget_tokens_per_second" and dict(labels)["temperature_bucket"] == "t>0.8"}
+             if name == "ddtree:budget_tokens_per_second" and dict(labels)["temperature_bucket"] == "t>0.8"
+             and dict(labels)["context_bucket"] == "ctx<=2k"}
     assert set(rates) == {"ar", "16", "64"} and all(v > 0 for v in rates.values())
 
 

@@ -65,9 +65,9 @@ class ServerMetrics:
                                       m + ["temperature_bucket", "tree_budget"], registry=r)
         self.budget_tokens_per_second = Gauge(
             "ddtree:budget_tokens_per_second",
-            "Without --tree-budget: recent decode tokens/s of each candidate tree budget per temperature bucket, "
-            "from which requests that name no budget get the fastest", m + ["temperature_bucket", "tree_budget"],
-            registry=r)
+            "Without --tree-budget: recent decode tokens/s of each candidate tree budget per temperature and "
+            "context bucket, from which requests that name no budget get the fastest",
+            m + ["temperature_bucket", "context_bucket", "tree_budget"], registry=r)
         self.gpu_memory = Gauge("ddtree:gpu_memory_bytes",
                                 "GPU memory of the model's device after the last request (cuda only), as the "
                                 "caching allocator counts it: allocated or reserved",
@@ -93,10 +93,10 @@ class ServerMetrics:
     def set_budgets_allocated(self, count: int) -> None:
         self.budgets_allocated.labels(self.model_name).set(count)
 
-    def set_budget_estimates(self, estimates: dict[str, dict[str, float]]) -> None:
-        for bucket, rates in estimates.items():
+    def set_budget_estimates(self, estimates: dict[tuple[str, str], dict[str, float]]) -> None:
+        for (temperature_bucket, context_bucket), rates in estimates.items():
             for budget, rate in rates.items():
-                self.budget_tokens_per_second.labels(self.model_name, bucket, budget).set(rate)
+                self.budget_tokens_per_second.labels(self.model_name, temperature_bucket, context_bucket, budget).set(rate)
 
     def set_gpu_memory(self, allocated: int, reserved: int) -> None:
         self.gpu_memory.labels(self.model_name, "allocated").set(allocated)

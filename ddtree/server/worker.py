@@ -272,7 +272,8 @@ class EngineWorker:
         selector = getattr(self.llm, "budget_selector", None)
         if selector is not None and finish_reason != "abort" and span is not None:
             # The decode after the first token: the prefill and the queue are the same for every budget.
-            selector.observe(bucket_of(job.params.temperature).name, job.budget, output_tokens - 1, span)
+            selector.observe(bucket_of(job.params.temperature).name, job.budget, output_tokens - 1, span,
+                             len(job.prompt_ids))
             self.metrics.set_budget_estimates(selector.estimates())
         self._running = 0
         self._update_queue_gauges()
