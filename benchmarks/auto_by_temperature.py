@@ -25,8 +25,9 @@ from ddtree.budget_selector import CANDIDATES, OnlineBudgetSelector
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.temperature_buckets import bucket_of
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
-FIXED = ["ar", "chain", 16, 64]
+FIXED = [AR, CHAIN, TreeShape.best(16), TreeShape.best(64)]
 TEMPERATURES = [0.0, 0.6, 1.0]
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     requests = [(i, r) for r in range(args.repeats) for i in range(args.prompts)]
     # Every graph a budget can use (prefill lengths, each KV bucket's front) captured before timing:
     # otherwise each budget's first requests at a new prompt length or KV bucket pay a capture.
-    for budget in {str(b) for b in FIXED + list(CANDIDATES)} | {str(b) for b in (picks or {}).values()}:
+    for budget in set(FIXED) | set(CANDIDATES) | set((picks or {}).values()):
         llm.warmup(budget)
 
     def run(budget, temperature: float, seed: int, index: int):
@@ -57,7 +58,7 @@ def main() -> None:
     results = []
     for temperature in TEMPERATURES:
         bucket = bucket_of(temperature).name
-        rows = {str(b): (lambda b=b: b) for b in FIXED}
+        rows = {b.label: (lambda b=b: b) for b in FIXED}
         if picks is not None:
             rows["auto"] = lambda: picks.get(bucket, llm.default_budget)
         selector = OnlineBudgetSelector()
@@ -75,11 +76,11 @@ def main() -> None:
         for name, done in runs.items():
             trials = 2 * len(CANDIDATES) if name == "adaptive" else 0
             tps = [out.tokens_per_second for _, out in done]
-            drafted = [out for budget, out in done if str(budget) != "ar"]
+            drafted = [out for budget, out in done if budget.drafts]
             rounds = sum(out.decode_rounds or 0 for out in drafted)
             decode_seconds = sum(sum(out.itl_s) for _, out in done)  # after the first token
             row = {"temperature": temperature, "tree_budget": name,
-                   "budgets_used": dict(Counter(str(budget) for budget, _ in done)),
+                   "budgets_used": dict(Counter(budget.label for budget, _ in done)),
                    "median_tokens_per_second": round(median(tps), 2),
                    "steady_median_tokens_per_second": round(median(tps[trials:]), 2),
                    "decode_tokens_per_second": round(sum(out.output_tokens - 1 for _, out in done) / decode_seconds, 2),
@@ -88,8 +89,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             results.append(row)
     json.dump({"command": "python -m benchmarks.auto_by_temperature " + " ".join(sys.argv[1:]),
-               "auto_picks": {k: str(v) for k, v in picks.items()} if picks else None,
-               "adaptive_candidates": [str(b) for b in CANDIDATES],
+               "auto_picks": {k: v.label for k, v in picks.items()} if picks else None,
+               "adaptive_candidates": [b.label for b in CANDIDATES],
                "device": str(llm.device), "dtype": str(llm.dtype), "requests_per_row": len(requests),
                "buckets_of": {str(t): bucket_of(t).name for t in TEMPERATURES},
                "results": results}, open(args.output, "w"), indent=2)

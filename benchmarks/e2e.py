@@ -24,7 +24,7 @@ import torch
 
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.datasets import load_prompts
-from ddtree.config import SamplingParams
+from ddtree.config import SamplingParams, parse_tree_budget
 from ddtree.llm import LLM
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)
     rows, outputs = [], {}
     for label in args.budgets.split(","):
-        budget = label if label in ("ar", "chain") else int(label)
+        budget = parse_tree_budget(label)
         graphs.warmup(budget)  # captures every graph of this budget, outside the timing
         graphs.generate(warm, params, budget)
         tokens, seconds, accept, eager_same, first_token_s, prompt_tokens = 0, 0.0, [], 0, 0.0, 0
@@ -101,7 +101,7 @@ def write_result(args, graphs: LLM, rows: list[dict], outputs: dict, prompts: in
         r["speedup_vs_chain"] = r["tokens_per_second"] / base["chain"] if "chain" in base else None
         if "ar" in outputs:
             r["parity_vs_ar"] = sum(a == b for a, b in zip(outputs[r["tree_budget"]], outputs["ar"])) / prompts
-    trees = [r for r in rows if r["tree_budget"] not in ("ar", "chain")]
+    trees = [r for r in rows if parse_tree_budget(r["tree_budget"]).builds_tree]
     best = max(trees, key=lambda r: r["tokens_per_second"]) if trees else None
     result = {
         "benchmark": "e2e",

@@ -22,8 +22,8 @@ import torch
 
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
-from ddtree.config import AR, SamplingParams, parse_tree_budget
-from ddtree.engine import Engine, tree_size
+from ddtree.config import SamplingParams, parse_tree_budget
+from ddtree.engine import Engine
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.hybrid import HybridTarget
 from ddtree.models.known_shapes import named_pair
@@ -112,7 +112,7 @@ def stage_times(engine: Engine, budget) -> dict:
     # The next round may already be in flight: n is at most one round's keep past what the host read.
     kv_len = engine._front_kv_len(budget, engine._host_n + engine.buffers[budget].keep)
     out = {"draft_ms": 0.0, "build_ms": 0.0}
-    if budget != AR:
+    if budget.drafts:
         out["draft_ms"] = time_graph(engine, lambda: engine._draft_logits(engine.root, engine.n, kv_len))
         logits = engine._draft_logits(engine.root, engine.n, kv_len)  # the build's log-softmax counts as build
         out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logits, engine.root))
@@ -169,7 +169,7 @@ def main() -> None:
     for prompt_len, label in [(p, b) for p in prompt_lens for b in args.budgets.split(",")]:
         prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
         budget = parse_tree_budget(label)
-        size = tree_size(budget, 16)
+        size = budget.nodes(16)
         gen = engine.generate(prompt, params, budget)
         next(gen)  # prefill
         times = []
@@ -184,7 +184,7 @@ def main() -> None:
         attn_flops = 4 * size * context * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
         target_floor = forward_floor(tparams, size, kv_token_bytes * context + state_bytes, ceilings,
                                      extra_flops=attn_flops)
-        draft_floor = 0.0 if budget == AR else forward_floor(dparams, 16, 0, ceilings)
+        draft_floor = forward_floor(dparams, 16, 0, ceilings) if budget.drafts else 0.0
         floor_ms = (target_floor + draft_floor) * 1000
         median = statistics.median(times[4:])
         rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,

@@ -20,9 +20,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from ddtree.config import AR, TreeBudget, tree_budget_label
+from ddtree.tree_shape import AR, TreeShape
 
-CANDIDATES: tuple[TreeBudget, ...] = (AR, 16, 64)
+CANDIDATES: tuple[TreeShape, ...] = (AR, TreeShape.best(16), TreeShape.best(64))
 CONTEXT_BUCKETS: tuple[tuple[str, int], ...] = (("ctx<=2k", 2048), ("ctx<=8k", 8192), ("ctx<=32k", 32768))
 LONGEST_CONTEXT_BUCKET = "ctx>32k"
 
@@ -34,7 +34,7 @@ def context_bucket(tokens: int) -> str:
 
 @dataclass
 class _Candidate:
-    budget: TreeBudget
+    budget: TreeShape
     samples: deque  # (tokens, seconds) of its recent requests
     chosen: int = 0  # requests this selector gave it
     last_used: int = -1  # the bucket's request count when it was last chosen or measured
@@ -54,7 +54,7 @@ class OnlineBudgetSelector:
     """Per (temperature bucket, context bucket), the candidate budget with the best recent decode
     tokens/s."""
 
-    def __init__(self, candidates: tuple[TreeBudget, ...] = CANDIDATES, min_samples: int = 2,
+    def __init__(self, candidates: tuple[TreeShape, ...] = CANDIDATES, min_samples: int = 2,
                  revisit_every: int = 16, window: int = 8, min_tokens: int = 8):
         if not candidates:
             raise ValueError("at least one candidate budget is needed")
@@ -72,7 +72,7 @@ class OnlineBudgetSelector:
             self._buckets[key] = _Bucket([_Candidate(b, deque(maxlen=self.window)) for b in self.candidates])
         return self._buckets[key]
 
-    def choose(self, temperature_bucket: str, context_tokens: int = 0) -> TreeBudget:
+    def choose(self, temperature_bucket: str, context_tokens: int = 0) -> TreeShape:
         """The budget for the next request that names none, of that temperature bucket and prompt length."""
         with self._lock:
             bucket = self._bucket(temperature_bucket, context_tokens)
@@ -100,7 +100,7 @@ class OnlineBudgetSelector:
         slowdown_squared = 64.0 if not rate or not top else min((top / rate) ** 2, 64.0)
         return self.revisit_every * max(slowdown_squared, 1.0)
 
-    def observe(self, temperature_bucket: str, budget: TreeBudget, tokens: int, seconds: float,
+    def observe(self, temperature_bucket: str, budget: TreeShape, tokens: int, seconds: float,
                 context_tokens: int = 0) -> None:
         """A finished request decoded `tokens` tokens after its first in `seconds`."""
         if tokens < self.min_tokens or seconds <= 0:
@@ -116,7 +116,7 @@ class OnlineBudgetSelector:
         """{(temperature bucket, context bucket): {budget label: recent decode tokens/s}} for the
         candidates measured so far."""
         with self._lock:
-            return {key: {tree_budget_label(c.budget): rate for c in bucket.candidates
+            return {key: {c.budget.label: rate for c in bucket.candidates
                           if (rate := c.tokens_per_second()) is not None}
                     for key, bucket in self._buckets.items()}
 
@@ -124,7 +124,7 @@ class OnlineBudgetSelector:
         """{(temperature bucket, context bucket): the label of the budget a request would get now,
         revisits aside}."""
         with self._lock:
-            return {key: tree_budget_label(_fastest(bucket.candidates).budget) for key, bucket in self._buckets.items()}
+            return {key: _fastest(bucket.candidates).budget.label for key, bucket in self._buckets.items()}
 
 
 def _fastest(candidates: list[_Candidate]) -> _Candidate:

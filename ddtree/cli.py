@@ -53,7 +53,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ddtree.config import AR, SamplingParams, parse_tree_budget
+    from ddtree.config import SamplingParams, parse_tree_budget
     from ddtree.model_pair import check_budget_has_drafter, check_pair_configs, default_drafter, no_drafter_warning
 
     budget = parse_tree_budget(args.tree_budget) if args.tree_budget is not None else None
@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ddtree.llm import LLM
 
-    use_draft = args.draft is not None or (draft is not None and budget != AR)
+    use_draft = args.draft is not None or (draft is not None and (budget is None or budget.drafts))
     llm = LLM(args.target, draft, device=args.device, dtype=args.dtype, tree_budget=budget,
               max_model_len=args.max_model_len, use_draft=use_draft)
     budget = llm.default_budget

@@ -9,7 +9,8 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass, field
-from typing import Union
+
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 
 class DDTreeError(ValueError):
@@ -23,10 +24,6 @@ class DDTreeError(ValueError):
         super().__init__(message)
         self.param = param
 
-
-AR = "ar"
-CHAIN = "chain"
-TreeBudget = Union[str, int]  # "ar", "chain" or an int >= 1
 
 MAX_TREE_BUDGET = 4096
 _DIGITS = re.compile(r"[0-9]{1,9}")  # more digits than this are over MAX_TREE_BUDGET anyway
@@ -45,8 +42,11 @@ def shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
-    """Normalise a tree budget given as text or number to "ar", "chain", "auto" or an int >= 1."""
+def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeShape | str:
+    """A tree budget given as text, number or shape -> its TreeShape ("auto" stays the string "auto",
+    accepted only with `allow_auto`)."""
+    if isinstance(value, TreeShape):
+        return value
     if isinstance(value, bool):
         raise DDTreeError(f"tree budget must be 'ar', 'chain' or an integer >= 1, got {shown(value)}", "tree_budget")
     if isinstance(value, int):
@@ -55,7 +55,9 @@ def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
         budget = int(value)
     elif isinstance(value, str):
         text = value.strip().lower()
-        if text in (AR, CHAIN) or (allow_auto and text == "auto"):
+        if text in (AR.label, CHAIN.label):
+            return TreeShape(text)
+        if allow_auto and text == "auto":
             return text
         # Plain ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
         if _DIGITS.fullmatch(text):
@@ -71,11 +73,7 @@ def parse_tree_budget(value: object, *, allow_auto: bool = False) -> TreeBudget:
         raise DDTreeError(f"tree budget must be >= 1 (use 'ar' for no drafting), got {shown(budget)}", "tree_budget")
     if budget > MAX_TREE_BUDGET:
         raise DDTreeError(f"tree budget must be <= {MAX_TREE_BUDGET}, got {shown(budget)}", "tree_budget")
-    return budget
-
-
-def tree_budget_label(budget: TreeBudget) -> str:
-    return str(budget)
+    return TreeShape.best(budget)
 
 
 @dataclass

@@ -44,13 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.bounded_compile import CompiledForFirstSizes
-from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, SamplingParams, TreeBudget
+from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.logprobs import RoundLogprobs, TokenLogprob, as_token_logprobs, chosen_logprobs
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.target import TargetModel
 from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, Walk, build_chain, build_tree, single_node, walk
+from ddtree.tree_shape import TreeShape
 
 log = logging.getLogger("ddtree.engine")
 
@@ -116,15 +117,6 @@ class RoundBuffers:
     @property
     def tree(self) -> Tree:
         return Tree(self.tokens, self.parents, self.depths, self.valid, self.visible)
-
-
-def tree_size(budget: TreeBudget, block_size: int) -> int:
-    """Nodes verified per round, root included."""
-    if budget == AR:
-        return 1
-    if budget == CHAIN:
-        return block_size
-    return int(budget) + 1
 
 
 def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -194,14 +186,14 @@ class Engine:
         self.prompt_tokens = torch.zeros(longest, dtype=torch.long, device=self.device)  # past n: padding
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._one = torch.ones(1, dtype=torch.long, device=self.device)  # ar's acceptance length
-        self.buffers: dict[TreeBudget, RoundBuffers] = {}
+        self.buffers: dict[TreeShape, RoundBuffers] = {}
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.back_graphs: dict[TreeBudget, torch.cuda.CUDAGraph] = {}
+        self.back_graphs: dict[TreeShape, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # The tree build as Triton kernels (ddtree.kernels.tree_build) where Triton and CUDA are
         # present; `build_tree` (the same result, ~10 operators per depth) elsewhere.
         self.fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
-        self.tree_plans: dict[int, object] = {}
+        self.tree_plans: dict[TreeShape, object] = {}
         self.capture_seconds = 0.0
 
     # -- the two halves of a round -------------------------------------------------------------
@@ -217,11 +209,11 @@ class Engine:
         hidden = self.drafter(noise, self.drafter.block_metas(n, self.block_size, kv_len), self.draft_cache)
         return self.drafter.logits(hidden[1:], self.target.lm_head)
 
-    def _build(self, budget: TreeBudget, logits: torch.Tensor, root: torch.Tensor) -> None:
+    def _build(self, budget: TreeShape, logits: torch.Tensor, root: torch.Tensor) -> None:
         """The draft tree from the drafter's logits [b - 1, V] into the budget's buffers (not for "ar")."""
         bufs = self.buffers[budget]
         plan = self.tree_plans.get(budget)
-        if budget == CHAIN:
+        if not budget.builds_tree:
             # The chain's shape never changes (stored in prepare): only its tokens are written, each
             # depth's argmax (of the logits: the log-softmax would not change it, and costs a launch).
             bufs.tokens[:1].copy_(root.reshape(1))
@@ -231,9 +223,9 @@ class Engine:
         if plan is not None:
             plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
         else:
-            bufs.store(build_tree(logp, root, int(budget)))
+            bufs.store(build_tree(logp, root, budget.budget))
 
-    def _verify(self, budget: TreeBudget, kv_len: int) -> torch.Tensor:
+    def _verify(self, budget: TreeShape, kv_len: int) -> torch.Tensor:
         """The target over the budget's tree at the current n -> logits [N, V] (float32); the
         drafter's features of every node into the buffers."""
         bufs = self.buffers[budget]
@@ -243,26 +235,26 @@ class Engine:
         # a verify never writes their state, so a graph's warm-up run cannot advance it.
         meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible,
                              parents=tree.parents, depths=tree.depths, scratch=bufs.scratch)
-        taps = self.feature_layers if budget != AR else None
+        taps = self.feature_layers if budget.drafts else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:
             bufs.features.copy_(features)
         return logits
 
-    def _front(self, budget: TreeBudget, kv_len: int) -> torch.Tensor:
+    def _front(self, budget: TreeShape, kv_len: int) -> torch.Tensor:
         """Draft, build and verify at the current n / root -> target logits [N, V] (float32)."""
         bufs = self.buffers[budget]
-        if budget == AR:
+        if not budget.drafts:
             bufs.tokens.copy_(self.root.reshape(1))  # the one node's shape is stored in prepare
         else:
             self._build(budget, self._draft_logits(self.root, self.n, kv_len), self.root)
         return self._verify(budget, kv_len)
 
-    def _back(self, budget: TreeBudget) -> None:
+    def _back(self, budget: TreeShape) -> None:
         """Walk the tree with the choices, compact the KV cache, extend the drafter's context, write the summary."""
         bufs = self.buffers[budget]
         tree = bufs.tree
-        if budget == AR:
+        if budget.single_node:
             # One node, whose entries the verify already wrote at slot n: nothing to walk or move
             # (a hybrid target's recurrent layers still commit the node).
             if bufs.scratch is not None:
@@ -311,7 +303,7 @@ class Engine:
         self.capture_seconds += time.perf_counter() - start
         return graph, out
 
-    def _run_front(self, budget: TreeBudget, n_bound: int) -> torch.Tensor:
+    def _run_front(self, budget: TreeShape, n_bound: int) -> torch.Tensor:
         """The front at the device's n, known on the host only as n <= n_bound."""
         kv_len = self._front_kv_len(budget, n_bound)
         if not self.use_graphs:
@@ -336,30 +328,30 @@ class Engine:
         graph.replay()
         return logits
 
-    def _run_back(self, budget: TreeBudget) -> None:
+    def _run_back(self, budget: TreeShape) -> None:
         if budget in self.back_graphs:
             self.back_graphs[budget].replay()
         else:
             self._back(budget)
 
-    def prepare(self, budget: TreeBudget) -> None:
+    def prepare(self, budget: TreeShape) -> None:
         """Allocate a budget's buffers and, on CUDA, capture its back graph (before any sequence
         state exists, because warming it up moves cache entries)."""
         if budget in self.buffers:
             return
-        size = tree_size(budget, self.block_size)
+        size = budget.nodes(self.block_size)
         keep = min(size, self.block_size or 1)
         scratch = self.target.new_scratch(size, self.device, self.dtype)
         self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype, scratch)
         zero = torch.zeros((), dtype=torch.long, device=self.device)
-        if budget == AR:
+        if budget.single_node:
             self.buffers[budget].store(single_node(zero))
-        elif budget == CHAIN:
+        elif not budget.builds_tree:  # the chain: its shape is fixed, each round writes only its tokens
             self.buffers[budget].store(build_chain(zero.expand(self.block_size - 1), zero))
-        if self.fused_tree and budget not in (AR, CHAIN):
+        elif self.fused_tree:
             from ddtree.kernels.tree_build import TreeBuildPlan  # imports Triton: only where it is used
 
-            plan = TreeBuildPlan(int(budget), self.block_size - 1, self.target.config.vocab_size, self.device)
+            plan = TreeBuildPlan(budget.budget, self.block_size - 1, self.target.config.vocab_size, self.device)
             if plan.supported:
                 self.tree_plans[budget] = plan
             else:
@@ -370,7 +362,7 @@ class Engine:
             self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
             log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
 
-    def release(self, budget: TreeBudget) -> None:
+    def release(self, budget: TreeShape) -> None:
         """Free a budget's buffers, tree plan and graphs; `prepare` makes them again when the budget
         is next used. Call between requests."""
         if self.device.type == "cuda":
@@ -381,17 +373,17 @@ class Engine:
         for key in [key for key in self.front_graphs if key[0] == budget]:
             del self.front_graphs[key]
 
-    def _front_kv_len(self, budget: TreeBudget, host_n: int) -> int:
+    def _front_kv_len(self, budget: TreeShape, host_n: int) -> int:
         """KV slots the front reads at committed length host_n: the tree's (or block's) scratch
         slots included, rounded up to the bucket."""
-        return self._bucket_len(host_n + max(tree_size(budget, self.block_size), self.block_size))
+        return self._bucket_len(host_n + max(budget.nodes(self.block_size), self.block_size))
 
-    def front_kv_lens(self, budget: TreeBudget) -> list[int]:
+    def front_kv_lens(self, budget: TreeShape) -> list[int]:
         """Every KV length the front can run at for sequences of up to max_model_len tokens."""
         first, last = self._front_kv_len(budget, 0), self._front_kv_len(budget, self.max_model_len - 1)
         return list(range(first, last + 1, self.kv_bucket))
 
-    def capture_all(self, budget: TreeBudget) -> None:
+    def capture_all(self, budget: TreeShape) -> None:
         """prepare(budget), then capture every prefill graph and the front graph of every KV
         bucket a sequence of up to max_model_len tokens can reach. Call between requests: the
         warm-ups write scratch slots."""
@@ -413,9 +405,9 @@ class Engine:
     # -- generation ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], params: SamplingParams, budget: TreeBudget) -> Iterator[Step]:
+    def generate(self, prompt: list[int], params: SamplingParams, budget: TreeShape) -> Iterator[Step]:
         """Yield the prefill step (one token) and then one Step per round, until the caller stops."""
-        if budget != AR and self.drafter is None:
+        if budget.drafts and self.drafter is None:
             raise ValueError("tree budgets other than 'ar' need a drafter")
         self.prepare(budget)
         bufs = self.buffers[budget]
@@ -432,7 +424,7 @@ class Engine:
             logits = self._run_prefill(length)
         else:
             tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-            logits = self._prefill(tokens, slice(p - 1, p), self.feature_layers if budget != AR else None)
+            logits = self._prefill(tokens, slice(p - 1, p), self.feature_layers if budget.drafts else None)
         self.root.copy_(choose_tokens(logits, params, generator)[0])
         self._host_n = p
         first = int(self.root)  # host sync: the first token is needed now (time to first token)
@@ -461,7 +453,7 @@ class Engine:
         values = chosen_logprobs(logits.reshape(1, -1), self.root.reshape(1), k)
         return as_token_logprobs([first], *(t.tolist() for t in values))
 
-    def _launch_round(self, budget: TreeBudget, n_bound: int, params: SamplingParams,
+    def _launch_round(self, budget: TreeShape, n_bound: int, params: SamplingParams,
                       generator: torch.Generator | None) -> int:
         """Queue one round (front, choice, back) and the copy of its summary to the host; return
         the index of the host copy. Nothing here waits for the GPU."""

@@ -15,7 +15,7 @@ from typing import Iterator, Union
 
 import torch
 
-from ddtree.config import AR, MAX_TREE_BUDGET, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget, shown
+from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
 from ddtree.engine import Engine
 from ddtree.logprobs import TokenLogprob
 from ddtree.flags import parse_device
@@ -26,9 +26,10 @@ from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
 from ddtree.temperature_buckets import bucket_of
+from ddtree.tree_shape import AR, TreeShape
 from ddtree.working_set import BudgetWorkingSet
 
-DEFAULT_TREE_BUDGET: TreeBudget = 64
+DEFAULT_TREE_BUDGET = TreeShape.best(64)
 Prompt = Union[str, list[int], dict]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 log = logging.getLogger("ddtree")
@@ -89,7 +90,7 @@ class LLM:
         *,
         device: str | None = None,
         dtype: str | None = None,
-        tree_budget: TreeBudget | None = None,
+        tree_budget: TreeShape | str | int | None = None,
         max_model_len: int | None = None,
         use_draft: bool = True,
         use_graphs: bool | None = None,
@@ -116,10 +117,10 @@ class LLM:
             self.default_budget = DEFAULT_TREE_BUDGET if self.draft_path is not None else AR
         else:
             self.default_budget = parse_tree_budget(tree_budget)
-            if self.default_budget != AR and self.draft_path is None:
+            if self.default_budget.drafts and self.draft_path is None:
                 raise needs_drafter_error(self.default_budget)
         # --tree-budget auto: the budget per temperature bucket (ddtree.temperature_buckets), else None
-        self.auto_budgets: dict[str, TreeBudget] | None = None
+        self.auto_budgets: dict[str, TreeShape] | None = None
         # Without auto_budgets: picks the budget of requests that name none from their measured speed
         # (ddtree.budget_selector; `ddtree serve` without --tree-budget sets one).
         self.budget_selector = None
@@ -214,7 +215,7 @@ class LLM:
                 raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {shown(t)}", "prompt")
         return list(prompt)
 
-    def budget_for(self, temperature: float, context_tokens: int = 0) -> TreeBudget:
+    def budget_for(self, temperature: float, context_tokens: int = 0) -> TreeShape:
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
         temperature bucket's pick, else the budget selector's choice for that bucket, else the
         default."""
@@ -224,15 +225,15 @@ class LLM:
             return self.default_budget
         return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
 
-    def _budget(self, tree_budget: object, temperature: float = 0.0, context_tokens: int = 0) -> TreeBudget:
+    def _budget(self, tree_budget: object, temperature: float = 0.0, context_tokens: int = 0) -> TreeShape:
         """The request's tree budget (None: the default for its temperature), refused when it needs a
         missing drafter."""
         budget = self.budget_for(temperature, context_tokens) if tree_budget is None else parse_tree_budget(tree_budget)
-        if budget != AR and self.drafter is None:
+        if budget.drafts and self.drafter is None:
             raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
         return budget
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeBudget:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeShape:
         """Validate everything about a request before any work; return its tree budget."""
         params.validate()
         budget = self._budget(tree_budget, params.temperature, len(prompt_ids))
@@ -261,7 +262,7 @@ class LLM:
         budget = self.check_request(prompt_ids, params, tree_budget)
         decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
         out = OutputBuilder(params, self.eos_token_ids, decode)
-        stats = GenerationStats(tree_budget=str(budget))
+        stats = GenerationStats(tree_budget=budget.label)
         start = time.perf_counter()
         self.working_set.use(budget, pinned=(self.default_budget,))
         steps = self.engine.generate(prompt_ids, params, budget)

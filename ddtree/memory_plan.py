@@ -33,15 +33,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, TreeBudget
+from ddtree.config import MAX_TREE_BUDGET
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig
+from ddtree.tree_shape import TreeShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT64, FLOAT32, BOOL = 8, 4, 1
 GRAPH_KV_BUCKET = 256  # Engine.kv_bucket with CUDA graphs; 1 without
 PREFILL_PAD_MAX = 1024  # Engine pads prompts of up to this many tokens to a graph's length
 MAX_LOGPROBS = 20  # ddtree.logprobs: top alternatives a request may ask for
-DEFAULT_TREE_BUDGET = 64  # ddtree.llm's default with a drafter
+DEFAULT_TREE_BUDGET = TreeShape.best(64)  # ddtree.llm's default with a drafter
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 
@@ -167,21 +168,12 @@ def _linear_layers(cfg: TargetConfig) -> int:
 
 # -- a tree budget's round ----------------------------------------------------------------------
 
-def tree_nodes(budget: TreeBudget, block_size: int) -> int:
-    """Nodes verified per round, root included (ddtree.engine.tree_size)."""
-    if budget == AR:
-        return 1
-    if budget == CHAIN:
-        return block_size
-    return int(budget) + 1
-
-
-def round_buffer_bytes(target: TargetConfig, drafter: DrafterConfig | None, budget: TreeBudget, dtype: str) -> int:
+def round_buffer_bytes(target: TargetConfig, drafter: DrafterConfig | None, budget: TreeShape, dtype: str) -> int:
     """A budget's device buffers (RoundBuffers), hybrid stash included, for N nodes, keep rows:
     tokens, parents, depths, choices, offsets N x 8; valid N; mask N x N; features N x taps H x b;
     summary (keep + 2) x 8; path keep x 8; log-probs keep x (4 + 20 x 4 + 20 x 8)."""
     block = drafter.block_size if drafter is not None else 0
-    n = tree_nodes(budget, block)
+    n = budget.nodes(block)
     keep = min(n, block or 1)
     features = len(drafter.target_layer_ids) * target.hidden_size if drafter is not None else 0
     tree = 5 * n * INT64 + n * BOOL + n * n * BOOL + n * max(features, 1) * dtype_bytes(dtype)
@@ -225,11 +217,11 @@ class PairMemory:
     target: TargetConfig
     drafter: DrafterConfig | None = None
     dtype: str = "bfloat16"
-    budget: TreeBudget = DEFAULT_TREE_BUDGET
+    budget: TreeShape = DEFAULT_TREE_BUDGET
     graphs: bool = True
 
     def __post_init__(self):
-        if self.drafter is None and self.budget != AR:
+        if self.drafter is None and self.budget.drafts:
             raise ValueError(f"tree budget {self.budget} needs a drafter; a target alone decodes with 'ar'")
         dtype_bytes(self.dtype)
 
@@ -243,7 +235,7 @@ class PairMemory:
 
     @property
     def nodes(self) -> int:
-        return tree_nodes(self.budget, self.block_size)
+        return self.budget.nodes(self.block_size)
 
     @property
     def target_weights(self) -> int:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddtree.config import AR, DDTreeError, TreeBudget
+from ddtree.config import DDTreeError
 from ddtree.models.configs import DrafterConfig, TargetConfig
+from ddtree.tree_shape import TreeShape
 
 REPO_MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = REPO_MODELS / "demo-target"
@@ -32,7 +33,7 @@ def no_drafter_warning(target: str | Path) -> str:
             f"name a DFlash drafter (--draft DIR) to use DDTree")
 
 
-def needs_drafter_error(budget: TreeBudget) -> DDTreeError:
+def needs_drafter_error(budget: TreeShape) -> DDTreeError:
     return DDTreeError(f"tree budget {budget} needs a drafter: pass --draft DIR (the demo drafter only pairs with "
                        f"the demo target), or use tree budget 'ar'", "tree_budget")
 
@@ -57,7 +58,7 @@ def check_pair_configs(target: str | Path | None, draft: str | Path | None, max_
         DrafterConfig.from_dir(draft).check_against(target_cfg, draft)
 
 
-def check_budget_has_drafter(budget: TreeBudget | None, target: str | Path | None, draft: str | Path | None) -> None:
-    """Refuse a tree budget other than `ar` (or auto) when no drafter will be loaded."""
-    if draft is None and default_drafter(target) is None and budget not in (None, AR, "auto"):
+def check_budget_has_drafter(budget: TreeShape | str | None, target: str | Path | None, draft: str | Path | None) -> None:
+    """Refuse a tree budget other than `ar` (or auto, the string) when no drafter will be loaded."""
+    if draft is None and default_drafter(target) is None and isinstance(budget, TreeShape) and budget.drafts:
         raise needs_drafter_error(budget)

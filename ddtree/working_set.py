@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from ddtree.config import TreeBudget
+from ddtree.tree_shape import TreeShape
 
 
 class BudgetWorkingSet:
@@ -23,9 +23,9 @@ class BudgetWorkingSet:
             raise ValueError(f"capacity must be >= 0 or None, got {capacity}")
         self.engine = engine
         self.capacity = capacity
-        self._recent: OrderedDict[TreeBudget, None] = OrderedDict()  # least recently used first
+        self._recent: OrderedDict[TreeShape, None] = OrderedDict()  # least recently used first
 
-    def use(self, budget: TreeBudget, pinned: Iterable[TreeBudget] = ()) -> list[TreeBudget]:
+    def use(self, budget: TreeShape, pinned: Iterable[TreeShape] = ()) -> list[TreeShape]:
         """Record that `budget` runs next and release what falls out of the set; returns those."""
         if self.capacity is None:
             return []
@@ -43,6 +43,6 @@ class BudgetWorkingSet:
         return evicted
 
     @property
-    def held(self) -> list[TreeBudget]:
+    def held(self) -> list[TreeShape]:
         """The budgets whose buffers are allocated now."""
         return list(self.engine.buffers)

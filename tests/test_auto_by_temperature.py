@@ -11,7 +11,11 @@ from ddtree.bench.tune import TUNE_FILE, bucket_picks, calibrate, identity, read
 from ddtree.llm import LLM
 from ddtree.server.app import create_app
 from ddtree.temperature_buckets import BUCKET_NAMES, bucket_of
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 from server_process import metric, metric_values
+
+
+EIGHT = TreeShape.best(8)
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +43,23 @@ def test_bucket_of_names_each_range():
 def test_auto_reads_the_picks_per_bucket(llm, tmp_path):
     tune_file(llm, tmp_path, {"t<=0.8": {"tree_budget": "chain"}, "t>0.8": {"tree_budget": "ar"}})
     picks = resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=0)
-    assert picks == {"greedy": 8, "t<=0.4": 8, "t<=0.8": "chain", "t>0.8": "ar"}
+    assert picks == {"greedy": EIGHT, "t<=0.4": EIGHT, "t<=0.8": CHAIN, "t>0.8": AR}
 
 
 def test_a_file_without_buckets_gives_its_greedy_pick_everywhere(llm, tmp_path):
     lines: list[str] = []
     path = tune_file(llm, tmp_path)
-    assert resolve_auto_budgets(llm, tmp_path, log=lines.append, time_limit_s=0) == dict.fromkeys(BUCKET_NAMES, 8)
+    assert resolve_auto_budgets(llm, tmp_path, log=lines.append, time_limit_s=0) == dict.fromkeys(BUCKET_NAMES, EIGHT)
     assert any("greedy traffic only" in line for line in lines)
-    assert bucket_picks(read_tune_file(path)) == dict.fromkeys(BUCKET_NAMES, 8)
+    assert bucket_picks(read_tune_file(path)) == dict.fromkeys(BUCKET_NAMES, EIGHT)
 
 
 def test_a_sampled_tune_keeps_its_calibrated_greedy_pick(llm, tmp_path):
     """`ddtree tune --temperature 0.6`: the sweep's pick serves t<=0.8, a calibration's serves greedy."""
     path = tune_file(llm, tmp_path, {"greedy": {"tree_budget": 64, "source": "calibration"},
                                      "t<=0.8": {"tree_budget": 8, "source": "sweep"}})
-    assert bucket_picks(read_tune_file(path)) == {"greedy": 64, "t<=0.4": 8, "t<=0.8": 8, "t>0.8": 8}
+    assert bucket_picks(read_tune_file(path)) == {"greedy": TreeShape.best(64), "t<=0.4": EIGHT, "t<=0.8": EIGHT,
+                                                  "t>0.8": EIGHT}
 
 
 def test_calibration_samples_at_the_bucket_temperature(llm, monkeypatch):
@@ -63,19 +68,19 @@ def test_calibration_samples_at_the_bucket_temperature(llm, monkeypatch):
 
     def fake_generate(self, index, budget, params, sent_at, deadline=None):
         seen.add(params.temperature)
-        speed = {"ar": 100.0, "chain": 60.0}.get(budget, 30.0)
+        speed = {AR: 100.0, CHAIN: 60.0}.get(budget, 30.0)
         return RequestOutput(index, success=True, output_tokens=params.max_tokens, decode_rounds=4,
                              accepted_tokens=6, e2el_s=params.max_tokens / speed)
 
     monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
-    budget, summary = calibrate(llm, time_limit_s=0.2, budgets=["ar", "chain", 16], temperature=1.0)
-    assert seen == {1.0} and budget == "ar"
+    budget, summary = calibrate(llm, time_limit_s=0.2, budgets=[AR, CHAIN, TreeShape.best(16)], temperature=1.0)
+    assert seen == {1.0} and budget == AR
     assert summary["mean_acceptance_length"]["chain"] == pytest.approx(1.5)
     assert summary["mean_acceptance_length"]["ar"] == 1.0
 
 
 def test_server_auto_serves_each_temperature_with_its_bucket_pick(demo_pair, llm):
-    llm.auto_budgets = {"greedy": 8, "t<=0.4": 8, "t<=0.8": "chain", "t>0.8": "ar"}
+    llm.auto_budgets = {"greedy": EIGHT, "t<=0.4": EIGHT, "t<=0.8": CHAIN, "t>0.8": AR}
     try:
         with TestClient(create_app(llm, tree_budget_mode="auto")) as client:
             used = {}

@@ -49,9 +49,10 @@ def test_acceptance_from_metrics_equals_the_responses(server, monkeypatch):
     from ddtree.bench.datasets import load_prompts
     from ddtree.bench.runner import SweepSettings
     from ddtree.bench.sweep import run_sweep
+    from ddtree.tree_shape import AR, TreeShape
 
     prompts = load_prompts("stdlib", 3)
-    settings = SweepSettings(tree_budgets=["ar", 16], max_tokens=12, warmup=0)
+    settings = SweepSettings(tree_budgets=[AR, TreeShape.best(16)], max_tokens=12, warmup=0)
 
     async def sweep():
         backend = LiveBackend(server.url, api_key=API_KEY)

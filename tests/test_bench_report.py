@@ -19,6 +19,8 @@ from ddtree.bench.report import (
     std,
     summarize,
 )
+from ddtree.config import parse_tree_budget
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 101])
@@ -60,8 +62,8 @@ def test_summarize_row():
         _req(2, 1, 0.05, [], 0.05, rounds=0, accepted=0),
         RequestOutput(3, error="HTTP 400: too long"),
     ]
-    row = summarize(outputs, duration_s=2.0, tree_budget=64, concurrency=2)
-    assert (row["tree_budget"], row["concurrency"], row["completed"], row["failed"]) == (64, 2, 3, 1)
+    row = summarize(outputs, duration_s=2.0, tree_budget=TreeShape.best(64), concurrency=2)
+    assert (row["tree_budget"].json_value, row["concurrency"], row["completed"], row["failed"]) == (64, 2, 3, 1)
     assert row["errors"] == ["HTTP 400: too long"]
     assert row["total_output_tokens"] == 33 and row["total_input_tokens"] == 30
     assert row["request_throughput"] == pytest.approx(1.5)
@@ -82,18 +84,18 @@ def test_summarize_row():
 
 def test_acceptance_from_metrics_then_definition():
     outputs = [_req(0, 9, 0.1, [], 1.0), _req(1, 5, 0.1, [], 1.0)]
-    row = summarize(outputs, 2.0, 128, 1, AcceptanceCounts(drafts=4, accepted_tokens=10))
+    row = summarize(outputs, 2.0, TreeShape.best(128), 1, AcceptanceCounts(drafts=4, accepted_tokens=10))
     assert row["mean_acceptance_length"] == pytest.approx(1 + 10 / 4)
     assert row["decode_rounds"] == pytest.approx(2.0)
     assert row["acceptance_source"] == "metrics"
-    ar = summarize(outputs, 2.0, "ar", 1, AcceptanceCounts(drafts=0, accepted_tokens=0))
+    ar = summarize(outputs, 2.0, AR, 1, AcceptanceCounts(drafts=0, accepted_tokens=0))
     assert (ar["mean_acceptance_length"], ar["decode_rounds"], ar["acceptance_source"]) == (1.0, 6.0, "definition")
-    unknown = summarize(outputs, 2.0, "chain", 1, None)
+    unknown = summarize(outputs, 2.0, CHAIN, 1, None)
     assert unknown["mean_acceptance_length"] is None and unknown["acceptance_source"] is None
 
 
 def _row(budget, concurrency, median_tps, throughput=None, completed=4):
-    return {"tree_budget": budget, "concurrency": concurrency, "completed": completed, "failed": 0, "errors": [],
+    return {"tree_budget": parse_tree_budget(budget), "concurrency": concurrency, "completed": completed, "failed": 0, "errors": [],
             "median_tokens_per_second": median_tps, "output_throughput": throughput or median_tps}
 
 
@@ -127,10 +129,10 @@ def test_recommendation_per_concurrency_with_margins():
             _row("ar", 8, 12.0), _row(64, 8, 11.0)]
     picks = recommend(rows)
     assert [p["concurrency"] for p in picks] == [1, 8]
-    assert picks[0]["tree_budget"] == 64  # ties go to the budget run first
+    assert picks[0]["tree_budget"] == TreeShape.best(64)  # ties go to the budget run first
     assert picks[0]["margin_over_chain"] == pytest.approx(1.2)
     assert picks[0]["margin_over_ar"] == pytest.approx(3.0)
-    assert picks[1]["tree_budget"] == "ar" and picks[1]["margin_over_chain"] is None
+    assert picks[1]["tree_budget"] == AR and picks[1]["margin_over_chain"] is None
     assert picks[1]["margin_over_ar"] == pytest.approx(1.0)
     line = recommendation_line(picks[0])
     assert "concurrency 1: 64" in line and "1.20x chain (+20.0%)" in line and "3.00x ar (+200.0%)" in line
@@ -142,7 +144,7 @@ def test_finish_flags_parity_failures_and_failed_requests_loudly():
     rows[2]["failed"], rows[2]["errors"] = 1, ["HTTP 400: bad"]
     report = finish(rows, [{0: "a", 1: "b"}, {0: "a", 1: "x"}, {0: "a"}], greedy=True, prompt_names=["f", "g"])
     assert report["parity_ok"] is False
-    assert report["recommendation"]["tree_budget"] == 64
+    assert report["recommendation"]["tree_budget"] == TreeShape.best(64)
     assert any("PARITY FAILURE" in w and "64" in w and "50.0%" in w and "g" in w for w in report["warnings"])
     assert any("1 of 5 requests failed" in w and "HTTP 400: bad" in w for w in report["warnings"])
     clean = finish([_row("ar", 1, 10.0), _row(64, 1, 30.0)], [{0: "a"}, {0: "a"}], greedy=True)

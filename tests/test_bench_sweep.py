@@ -13,12 +13,14 @@ from ddtree.bench.report import RequestOutput
 from ddtree.bench.runner import SweepSettings
 from ddtree.bench.sweep import Sweep, run_sweep
 from ddtree.cli import build_parser
+from ddtree.config import parse_tree_budget
 
 TOKENS = 10
 
 
 class FakeBackend:
-    """Answers at a fixed tokens/s per budget and records every request as (budget, timed)."""
+    """Answers at a fixed tokens/s per budget ("ar", "chain" or an integer, as in JSON) and records
+    every request as (budget, timed)."""
 
     def __init__(self, speeds: dict):
         self.speeds, self.calls, self.timed = speeds, [], False
@@ -30,8 +32,8 @@ class FakeBackend:
         return None
 
     async def send(self, prompt, index, budget, params) -> RequestOutput:
-        self.calls.append((budget, self.timed))
-        seconds = TOKENS / self.speeds[budget]
+        self.calls.append((budget.json_value, self.timed))
+        seconds = TOKENS / self.speeds[budget.json_value]
         await asyncio.sleep(seconds / 100)  # the warm-ups' wall time is what prices the ETA
         return RequestOutput(index, success=True, text="same", output_tokens=TOKENS, ttft_s=seconds / 2,
                              e2el_s=seconds, decode_rounds=1, accepted_tokens=TOKENS)
@@ -41,11 +43,11 @@ PROMPTS = [BenchPrompt(f"p{i}", prompt="x") for i in range(3)]
 
 
 def sweep(backend, budgets, prune_below=None, warmup=1):
-    settings = SweepSettings(tree_budgets=budgets, max_tokens=TOKENS, warmup=warmup)
+    settings = SweepSettings(tree_budgets=[parse_tree_budget(b) for b in budgets], max_tokens=TOKENS, warmup=warmup)
     seen = []
 
     def on_row(s: Sweep) -> None:
-        seen.append([r["tree_budget"] for r in s.rows])
+        seen.append([r["tree_budget"].json_value for r in s.rows])
         backend.timed = True  # every call after the first row is a timed one
 
     backend.timed = False
@@ -67,8 +69,8 @@ def test_warm_ups_first_then_each_row_as_its_run_ends():
 def test_quick_mode_stops_growing_trees_once_one_falls_below_half_the_best():
     backend = FakeBackend({"ar": 10.0, "chain": 20.0, 16: 30.0, 32: 14.0, 64: 40.0, 128: 50.0})
     result, _ = sweep(backend, ["ar", "chain", 16, 32, 64, 128], prune_below=0.5)
-    assert [r["tree_budget"] for r in result.rows] == ["ar", "chain", 16, 32]
-    assert [(s["tree_budget"], s["concurrency"]) for s in result.skipped] == [(64, 1), (128, 1)]
+    assert [r["tree_budget"].json_value for r in result.rows] == ["ar", "chain", 16, 32]
+    assert [(s["tree_budget"].json_value, s["concurrency"]) for s in result.skipped] == [(64, 1), (128, 1)]
     assert "tree 32 already ran below 50% of the best" in result.skipped[0]["reason"]
     full, _ = sweep(FakeBackend(backend.speeds), ["ar", "chain", 16, 32, 64, 128])
     assert len(full.rows) == 6, "without quick mode every budget asked for runs"
@@ -93,6 +95,6 @@ def test_quick_preset_fills_only_the_flags_left_unset():
 
     args, settings = tune_settings("--quick", "--max-tokens", "8")
     assert (args.num_prompts, settings.max_tokens) == (QUICK["num_prompts"], 8)
-    assert settings.tree_budgets == ["ar", "chain", 16, 32, 64, 128]
+    assert [b.json_value for b in settings.tree_budgets] == ["ar", "chain", 16, 32, 64, 128]
     args, settings = tune_settings()
     assert (args.num_prompts, settings.max_tokens, len(settings.tree_budgets)) == (16, 128, 9)

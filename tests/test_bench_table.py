@@ -8,6 +8,7 @@ from rich.console import Console
 
 from ddtree.bench.report import RequestOutput, finish, summarize
 from ddtree.bench.table import COMPACT_WIDTH, RowPrinter, print_report, table_lines
+from ddtree.config import parse_tree_budget
 
 
 def _row(budget, concurrency: int, seconds: float, failed: int = 0) -> dict:
@@ -15,7 +16,7 @@ def _row(budget, concurrency: int, seconds: float, failed: int = 0) -> dict:
                           itl_s=[seconds / 300] * 200, e2el_s=seconds, decode_rounds=200, accepted_tokens=1023)
             for i in range(1000)]
     return summarize(done + [RequestOutput(1000 + i, error="HTTP 500") for i in range(failed)], seconds * 1000,
-                     budget, concurrency)
+                     parse_tree_budget(budget), concurrency)
 
 
 def _report() -> dict:

@@ -20,6 +20,7 @@ from ddtree.bench.tune import (
 from ddtree.cli import main
 from ddtree.config import DDTreeError
 from ddtree.llm import LLM
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +115,13 @@ def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
     runs: list = []
 
     def fake_generate(self, index, budget, params, sent_at, deadline=None):
-        runs.append(budget)
+        runs.append(budget.json_value)
         return RequestOutput(index, success=True, output_tokens=params.max_tokens,
-                             e2el_s=params.max_tokens / speed[budget])
+                             e2el_s=params.max_tokens / speed[budget.json_value])
 
     monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
     budget, summary = calibrate(llm, time_limit_s=0.3)
-    assert budget == 32
+    assert budget == TreeShape.best(32)
     assert summary["skipped"] == {str(b): "tree 128 already ran below half the best" for b in (256, 512, 1024)}
     assert set(summary["median_tokens_per_second"]) == {"ar", "chain", "16", "32", "64", "128"}
     assert summary["samples"]["128"] == 2 and summary["samples"]["ar"] == 2  # both dropped after two samples
@@ -131,7 +132,7 @@ def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
 
 def test_without_a_drafter_auto_is_ar(demo_pair):
     plain = LLM(demo_pair[0], device="cpu", use_draft=False)
-    assert resolve_auto_budget(plain, None, log=lambda line: None) == "ar"
+    assert resolve_auto_budget(plain, None, log=lambda line: None) == AR
 
 
 def test_pick_for_concurrency_and_bad_files(tmp_path):
@@ -170,8 +171,8 @@ def test_interrupted_tune_writes_what_it_measured(demo_pair, tmp_path, monkeypat
                  "--tree-budgets", "ar,chain,8", "--num-prompts", "2", "--max-tokens", "6", "--output", str(out),
                  "--no-progress"])
     printed = capsys.readouterr().out
-    assert code == 130 and calls == ["ar", "chain"]
+    assert code == 130 and calls == [AR, CHAIN]
     record = read_tune_file(out)
     assert record["interrupted"] is True and record["median_tokens_per_second"]["1"].keys() == {"ar"}
-    assert record["recommendations"][0]["tree_budget"] == "ar"
+    assert record["recommendations"][0]["tree_budget"] == AR
     assert "interrupted: 1 of 3 runs measured" in printed and "tune file written" in printed

@@ -10,6 +10,7 @@ import torch
 from ddtree.bounded_compile import CompiledForFirstSizes
 from ddtree.config import DDTreeError, SamplingParams
 from ddtree.llm import LLM
+from ddtree.tree_shape import TreeShape
 
 PROMPT = "def fib(n):"
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -21,10 +22,11 @@ def llm(demo_pair):
 
 
 def held(llm) -> set:
+    """The budgets allocated now, as written in JSON: "ar", "chain" or integers."""
     e = llm.engine
     assert {k[0] for k in e.front_graphs} <= set(e.buffers) and set(e.back_graphs) <= set(e.buffers)
     assert set(e.tree_plans) <= set(e.buffers)
-    return set(e.buffers)
+    return {b.json_value for b in e.buffers}
 
 
 def test_working_set_keeps_the_default_and_the_most_recent(llm):
@@ -43,17 +45,17 @@ def test_working_set_keeps_the_default_and_the_most_recent(llm):
 
 def test_release_frees_every_per_budget_structure(llm):
     llm.generate(PROMPT, GREEDY, 11)
-    assert 11 in llm.engine.buffers
-    llm.engine.release(11)
+    assert TreeShape.best(11) in llm.engine.buffers
+    llm.engine.release(TreeShape.best(11))
     assert 11 not in held(llm)
-    llm.engine.release(11)  # releasing what is not held is a no-op
+    llm.engine.release(TreeShape.best(11))  # releasing what is not held is a no-op
 
 
 def test_unbounded_working_set_keeps_everything(demo_pair):
     unbounded = LLM(*demo_pair, device="cpu", max_model_len=64)
     for budget in (2, 4, 6):
         unbounded.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0), budget)
-    assert {2, 4, 6} <= set(unbounded.engine.buffers)
+    assert {2, 4, 6} <= held(unbounded)
 
 
 def test_compiled_for_first_sizes_never_passes_the_recompile_limit():

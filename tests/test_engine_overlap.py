@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree import LLM, SamplingParams
+from ddtree import LLM, SamplingParams, parse_tree_budget
 from tiny_models import make_drafter, make_target
 
 BUDGETS = ["ar", "chain", 3, 16]
@@ -49,8 +49,8 @@ def test_a_stopped_request_leaves_the_next_one_unchanged(pair, budget):
     # A token first produced by a round (not the prefill), well before max_tokens.
     at = next(i for i in range(2, 20) if full[i] not in full[:i])
     stop = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[full[at]])
-    ahead.engine.prepare(budget)
-    bufs = ahead.engine.buffers[budget]
+    ahead.engine.prepare(parse_tree_budget(budget))
+    bufs = ahead.engine.buffers[parse_tree_budget(budget)]
     before = bufs.rounds
     stopped = ahead.generate(PROMPTS[1], stop, budget)
     assert stopped.finish_reason == "stop" and stopped.token_ids == full[: at + 1]
@@ -63,8 +63,8 @@ def test_a_stopped_request_leaves_the_next_one_unchanged(pair, budget):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_ending_by_length_launches_no_extra_round(pair, budget):
     ahead, _ = pair
-    ahead.engine.prepare(budget)
-    bufs = ahead.engine.buffers[budget]
+    ahead.engine.prepare(parse_tree_budget(budget))
+    bufs = ahead.engine.buffers[parse_tree_budget(budget)]
     for max_tokens in (2, 7, 40):
         before = bufs.rounds
         result = ahead.generate(PROMPTS[2], SamplingParams(max_tokens=max_tokens, ignore_eos=True), budget)

@@ -9,8 +9,8 @@ import pytest
 
 from ddtree import LLM
 from ddtree.bench.runner import OfflineBackend
-from ddtree.config import DDTreeError
-from ddtree.engine import tree_size
+from ddtree.config import DDTreeError, parse_tree_budget
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 from tiny_models import make_drafter, make_target
 
 MAX_LEN = 200
@@ -26,17 +26,17 @@ def llm(tmp_path_factory) -> LLM:
 
 @pytest.mark.parametrize("budget", ["ar", "chain", 1, 7, 64, 300])
 def test_front_buckets_cover_every_length(llm, budget):
-    engine = llm.engine
+    engine, budget = llm.engine, parse_tree_budget(budget)
     lens = engine.front_kv_lens(budget)
     assert lens == sorted(set(lens)) and all(x % engine.kv_bucket == 0 for x in lens)
     assert set(lens) == {engine._front_kv_len(budget, n) for n in range(MAX_LEN)}
-    size = max(tree_size(budget, engine.block_size), engine.block_size)
+    size = max(budget.nodes(engine.block_size), engine.block_size)
     assert lens[0] >= size and lens[-1] >= MAX_LEN - 1 + size  # the scratch slots always fit
 
 
 def test_warmup_prepares_the_budget(llm):
     llm.warmup(16)
-    assert 16 in llm.engine.buffers
+    assert TreeShape.best(16) in llm.engine.buffers
     llm.warmup()  # the default budget
     assert llm.default_budget in llm.engine.buffers
 
@@ -55,7 +55,7 @@ def test_warmup_without_a_drafter_allows_only_ar(tmp_path):
     with pytest.raises(DDTreeError, match="no drafter"):
         plain.warmup(16)
     plain.warmup("ar")
-    assert "ar" in plain.engine.buffers
+    assert AR in plain.engine.buffers
 
 
 def test_offline_benchmark_warms_each_budget_up():
@@ -68,6 +68,7 @@ def test_offline_benchmark_warms_each_budget_up():
 
     llm = Recorder()
     backend = OfflineBackend(llm)
-    asyncio.run(backend.prepare(32))
-    asyncio.run(backend.prepare("chain"))
-    assert llm.calls == [32, "chain"]
+    asyncio.run(backend.prepare(TreeShape.best(32)))
+    asyncio.run(backend.prepare(CHAIN))
+    assert llm.calls == [TreeShape.best(32), CHAIN]
+

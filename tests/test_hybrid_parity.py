@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import LLM, SamplingParams
+from ddtree import LLM, SamplingParams, parse_tree_budget
 from ddtree.models.layers import AttentionMeta
 from ddtree.models.loading import load_target
 from ddtree.tree import build_tree
@@ -181,6 +181,7 @@ def test_a_round_front_writes_no_recurrent_state(hybrid, budget):
     round (draft, build, verify) must leave the recurrent state as it found it, at every budget."""
     _, target_dir, draft_dir = hybrid
     llm = LLM(target_dir, draft_dir, device="cpu", dtype="float32", max_model_len=MAX_LEN, overlap=False)
+    budget = parse_tree_budget(budget)
     stream = llm.engine.generate([3, 1, 4, 1, 5, 9], SamplingParams(max_tokens=50, ignore_eos=True), budget)
     next(stream), next(stream)  # the prefill and one round
     engine = llm.engine

@@ -7,12 +7,13 @@ import torch
 
 from ddtree import engine as engine_module
 from ddtree import memory_plan as plan
-from ddtree.config import AR, CHAIN, MAX_TREE_BUDGET, SamplingParams
+from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.llm import DEFAULT_TREE_BUDGET, LLM
 from ddtree.logprobs import MAX_LOGPROBS
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.known_shapes import named_pair
 from ddtree.models.loading import DTYPES, load_drafter
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 from tiny_models import make_drafter, make_hybrid_target, make_target
 
 MAX_LEN = 40
@@ -80,9 +81,6 @@ def test_constants_match_the_engine():
     assert set(plan.DTYPE_BYTES) == set(DTYPES)
     for name, dtype in DTYPES.items():
         assert plan.dtype_bytes(name) == torch.empty(0, dtype=dtype).element_size()
-    for budget in (AR, CHAIN, 1, 7, 64, MAX_TREE_BUDGET):
-        for block in (2, 8, 16):
-            assert plan.tree_nodes(budget, block) == engine_module.tree_size(budget, block)
     for limit in (1, 15, 16, 100, 1024, 5000):
         assert plan.prefill_lengths(limit) == engine_module.prefill_lengths(limit)
 
@@ -139,7 +137,7 @@ def test_dense_pair_figures_equal_the_engine_tensors(demo_pair):
     assert plan.recurrent_state_bytes(tcfg, "float32") == 0
 
 
-@pytest.mark.parametrize("budget", [AR, CHAIN, 5])
+@pytest.mark.parametrize("budget", [AR, CHAIN, TreeShape.best(5)])
 def test_round_buffers_equal_the_engine_tensors(demo_pair, hybrid_pair, budget):
     for target, draft, dtype in (*[(*demo_pair, "float32")], (*hybrid_pair, "bfloat16")):
         llm = LLM(target, draft, device="cpu", dtype=dtype, max_model_len=MAX_LEN)
@@ -152,7 +150,8 @@ def test_dense_engine_holds_exactly_the_plan(demo_pair):
     target, draft = demo_pair
     llm = LLM(target, draft, device="cpu", dtype="float32", max_model_len=MAX_LEN)
     generate_a_little(llm, 6)
-    expected = plan.PairMemory(TargetConfig.from_dir(target), DrafterConfig.from_dir(draft), "float32", 6, graphs=False)
+    expected = plan.PairMemory(TargetConfig.from_dir(target), DrafterConfig.from_dir(draft), "float32", TreeShape.best(6),
+                                graphs=False)
     assert storage_bytes(held_tensors(llm.engine)) == expected.total_bytes(MAX_LEN)
 
 
@@ -191,7 +190,7 @@ def test_hybrid_engine_with_graph_buckets_holds_exactly_the_plan(hybrid_pair):
     llm = LLM(target, draft, device="cpu", dtype="bfloat16", max_model_len=MAX_LEN, kv_bucket=plan.GRAPH_KV_BUCKET,
               padded_prefill=True)
     generate_a_little(llm, 4)
-    expected = plan.PairMemory(TargetConfig.from_dir(target), DrafterConfig.from_dir(draft), "bfloat16", 4)
+    expected = plan.PairMemory(TargetConfig.from_dir(target), DrafterConfig.from_dir(draft), "bfloat16", TreeShape.best(4))
     assert expected.kv_bucket == llm.engine.kv_bucket
     held = storage_bytes(held_tensors(llm.engine))
     assert held == expected.total_bytes(MAX_LEN) - expected.graph_output_bytes(MAX_LEN)
@@ -199,13 +198,13 @@ def test_hybrid_engine_with_graph_buckets_holds_exactly_the_plan(hybrid_pair):
 
 # -- what a graph holds: one verify's logits per KV bucket -------------------------------------------
 
-@pytest.mark.parametrize("budget", [AR, CHAIN, 3])
+@pytest.mark.parametrize("budget", [AR, CHAIN, TreeShape.best(3)])
 def test_front_graphs_and_their_logits(demo_pair, budget):
     target, draft = demo_pair
     llm = LLM(target, draft, device="cpu", dtype="float32", max_model_len=600, kv_bucket=plan.GRAPH_KV_BUCKET)
     engine, tcfg = llm.engine, TargetConfig.from_dir(target)
     engine.prepare(budget)
-    nodes = plan.tree_nodes(budget, engine.block_size)
+    nodes = budget.nodes(engine.block_size)
     assert plan.front_graph_count(600, nodes, engine.block_size, engine.kv_bucket) == len(engine.front_kv_lens(budget))
     with torch.inference_mode():
         logits = engine._front(budget, engine._front_kv_len(budget, 0))
@@ -258,4 +257,4 @@ def test_report_pairs_and_cli(demo_pair, capsys):
     out = capsys.readouterr().out
     assert "tree budget ar" in out and "longest context" in out
     with pytest.raises(ValueError, match="needs a drafter"):
-        plan.PairMemory(TargetConfig.from_dir(target), None, budget=64)
+        plan.PairMemory(TargetConfig.from_dir(target), None, budget=TreeShape.best(64))

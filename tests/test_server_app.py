@@ -12,9 +12,10 @@ from fastapi.testclient import TestClient
 from ddtree.config import DDTreeError, SamplingParams
 from ddtree.llm import LLM
 from ddtree.server.app import create_app
-from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
+from ddtree.server.metrics import ServerMetrics
 from ddtree.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error_body
 from ddtree.server.worker import EngineWorker, Job
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 from server_process import metric, metric_values
 
 GOOD = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -128,7 +129,7 @@ def test_cancelled_job_stops_within_one_round(llm):
 
     async def run():
         params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-        job = Job(llm.prompt_ids("def f(x):"), params, "ar", asyncio.get_running_loop())
+        job = Job(llm.prompt_ids("def f(x):"), params, AR, asyncio.get_running_loop())
         counting.job = job
         worker.submit(job)
         await asyncio.to_thread(worker.stop, 60)  # the thread ends once the job has stopped
@@ -171,11 +172,7 @@ def test_validation_errors_name_the_field():
         "error"]["code"] == "unsupported_parameter"
 
 
-def test_drafted_tokens_and_round_counters():
-    assert drafted_tokens_per_round("ar", 16, 1000) == 0
-    assert drafted_tokens_per_round("chain", 16, 1000) == 15
-    assert drafted_tokens_per_round(64, 16, 1000) == 64
-    assert drafted_tokens_per_round(4096, 4, 2) == 6  # capped by the prefixes a block can hold
+def test_round_counters():
     metrics = ServerMetrics("m")
     metrics.record_rounds([1, 3, 2], drafted_per_round=4)
     metrics.record_rounds([5], drafted_per_round=0)  # "ar": no drafts
@@ -197,13 +194,13 @@ def test_auto_tree_budget_is_measured_and_reported(demo_pair, monkeypatch):
     def fake_resolve(llm, draft_dir, log):
         calls.append(draft_dir)
         log("measured")
-        return {"greedy": 7, "t<=0.4": 7, "t<=0.8": "chain", "t>0.8": "ar"}
+        return {"greedy": TreeShape.best(7), "t<=0.4": TreeShape.best(7), "t<=0.8": CHAIN, "t>0.8": AR}
 
     monkeypatch.setattr(tune, "resolve_auto_budgets", fake_resolve)
     args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
                               max_model_len=96)
     loaded = _load(args, "auto")
-    assert calls == [demo_pair[1]] and loaded.default_budget == 7
+    assert calls == [demo_pair[1]] and loaded.default_budget == TreeShape.best(7)
     app = create_app(loaded, tree_budget_mode="auto")
     with TestClient(app) as client:
         health = client.get("/health").json()
@@ -245,7 +242,7 @@ def test_load_with_warmup_prepares_the_default_budget(demo_pair):
 
     args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
                               max_model_len=96)
-    cold = _load(args, "chain")
+    cold = _load(args, CHAIN)
     assert cold.engine.buffers == {}
-    warm = _load(args, "chain", warmup=True)
-    assert list(warm.engine.buffers) == ["chain"]
+    warm = _load(args, CHAIN, warmup=True)
+    assert list(warm.engine.buffers) == [CHAIN]

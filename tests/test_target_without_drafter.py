@@ -14,6 +14,7 @@ from ddtree.cli import main
 from ddtree.config import DDTreeError
 from ddtree.llm import DEFAULT_DRAFT, LLM
 from ddtree.model_pair import default_drafter
+from ddtree.tree_shape import AR
 from tiny_models import make_target
 
 WARNING = "no drafter given for target"
@@ -56,7 +57,7 @@ def test_generate_refuses_a_tree_without_a_drafter(target, capsys, budget):
 def test_python_api_loads_no_drafter_and_logs_why(target, caplog):
     with caplog.at_level(logging.WARNING, logger="ddtree"):
         llm = LLM(target, device="cpu")
-    assert llm.drafter is None and llm.draft_path is None and llm.default_budget == "ar"
+    assert llm.drafter is None and llm.draft_path is None and llm.default_budget == AR
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"{WARNING} {target}"]
     with pytest.raises(DDTreeError, match="tree budget 64 needs a drafter"):
         LLM(target, device="cpu", tree_budget=64)
@@ -79,5 +80,5 @@ def test_serve_loads_the_target_alone_with_a_logged_warning(target, caplog):
     args = argparse.Namespace(target=target, draft=None, device="cpu", dtype=None, max_model_len=None)
     with caplog.at_level(logging.WARNING, logger="ddtree"):
         llm = _load(args, None)
-    assert llm.drafter is None and llm.default_budget == "ar"
+    assert llm.drafter is None and llm.default_budget == AR
     assert sum(WARNING in r.getMessage() for r in caplog.records) == 1

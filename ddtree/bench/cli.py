@@ -10,8 +10,9 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from ddtree.config import AR, DDTreeError, TreeBudget, parse_tree_budget
+from ddtree.config import DDTreeError, parse_tree_budget
 from ddtree.flags import POSITIVE_NUMBER
+from ddtree.tree_shape import TreeShape, shape_json
 
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
 # --quick: the demo pair's tune in about 2 minutes on a 2-core CPU, enough to tell the budgets apart.
@@ -22,9 +23,9 @@ QUICK_SAMPLED_SECONDS = 12.0
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
 
 
-def parse_budgets(values: list[str]) -> list[TreeBudget]:
-    """'ar,chain,16' (or several such arguments) -> ["ar", "chain", 16], duplicates dropped."""
-    budgets: list[TreeBudget] = []
+def parse_budgets(values: list[str]) -> list[TreeShape]:
+    """'ar,chain,16' (or several such arguments) -> [AR, CHAIN, TreeShape.best(16)], duplicates dropped."""
+    budgets: list[TreeShape] = []
     for value in values:
         for part in value.split(","):
             if not part.strip():
@@ -126,13 +127,13 @@ def effective_command(args: argparse.Namespace, name: str) -> str:
     return shlex.join(words)
 
 
-def drafter_for(args: argparse.Namespace, budgets: list[TreeBudget]) -> Path | None:
+def drafter_for(args: argparse.Namespace, budgets: list[TreeShape]) -> Path | None:
     """The drafter an offline sweep loads: --draft, or the demo drafter for the demo target; without
     one only `ar` can be measured, which is said before anything loads."""
     from ddtree.model_pair import default_drafter
 
     draft = args.draft or default_drafter(args.target)
-    needing = [str(b) for b in budgets if b != AR]
+    needing = [b.label for b in budgets if b.drafts]
     if draft is None and needing:
         raise DDTreeError(f"tree budgets {', '.join(needing)} need a drafter: pass --draft DIR (the demo drafter "
                           f"only pairs with the demo target), or --tree-budgets ar", "draft")
@@ -235,7 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         **report,
     }
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.output).write_text(json.dumps(result, indent=2, default=shape_json) + "\n")
         view.note(f"results written to {args.output}", "none")
     if args.plot and report["results"]:
         plot_sweep(report["results"], args.plot, view.printer.title_text())

@@ -13,7 +13,6 @@ from rich.markup import escape
 from ddtree.bench.report import compare_with_ar
 from ddtree.bench.sweep import Sweep
 from ddtree.bench.table import RowPrinter, print_report
-from ddtree.config import AR
 
 
 def make_console() -> Console:
@@ -30,7 +29,7 @@ class SweepConsole:
     def on_row(self, sweep: Sweep) -> None:
         compare_with_ar(sweep.rows, sweep.texts, self.greedy, self.prompt_names)
         row = sweep.rows[-1]
-        if row["tree_budget"] != AR and row.get("speedup_vs_ar") is None:
+        if row["tree_budget"].drafts and row.get("speedup_vs_ar") is None:
             self.printed_before_ar = True
         self.printer.row(row)
 

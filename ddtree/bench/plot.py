@@ -13,7 +13,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddtree.config import AR, CHAIN  # noqa: E402
+from ddtree.tree_shape import AR, CHAIN, TreeShape  # noqa: E402
 
 PAPER_RANGE = (256, 512)
 
@@ -24,15 +24,15 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "ddtree bench") 
     fig, (ax_tps, ax_acc) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     concurrencies = sorted({r["concurrency"] for r in rows})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    numeric = sorted({r["tree_budget"] for r in rows if isinstance(r["tree_budget"], int)})
+    numeric = sorted({r["tree_budget"].budget for r in rows if r["tree_budget"].builds_tree})
     lo, hi = (min(numeric + [PAPER_RANGE[0]]), max(numeric + [PAPER_RANGE[1]]))
     for k, concurrency in enumerate(concurrencies):
         color = colors[k % len(colors)]
         group = {r["tree_budget"]: r for r in rows if r["concurrency"] == concurrency and r["completed"] > 0}
-        xs = [b for b in numeric if b in group]
+        xs = [b for b in numeric if TreeShape.best(b) in group]
         label = f"concurrency {concurrency}"
         for ax, key in ((ax_tps, "median_tokens_per_second"), (ax_acc, "mean_acceptance_length")):
-            ys = [group[b][key] for b in xs]
+            ys = [group[TreeShape.best(b)][key] for b in xs]
             points = [(x, y) for x, y in zip(xs, ys) if y is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", color=color, label=f"tree, {label}")

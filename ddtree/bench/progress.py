@@ -17,7 +17,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from ddtree.config import TreeBudget
+from ddtree.tree_shape import TreeShape
 
 BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]"  # tqdm adds ": " to desc
 
@@ -34,8 +34,8 @@ class SweepProgress:
     """Counts finished requests; `estimates[budget]` is that budget's predicted seconds per request
     (None for all when there were no warm-up requests: then every request weighs the same)."""
 
-    def __init__(self, runs: list[tuple[int, TreeBudget]], num_prompts: int,
-                 estimates: dict[TreeBudget, float | None], enabled: bool = True):
+    def __init__(self, runs: list[tuple[int, TreeShape]], num_prompts: int,
+                 estimates: dict[TreeShape, float | None], enabled: bool = True):
         known = all(estimates.get(b) for _, b in runs)
         self.weight = {b: (estimates[b] if known else 1.0) for _, b in runs}
         self.timed = known
@@ -51,17 +51,17 @@ class SweepProgress:
     def _describe(self) -> None:
         self.bar.set_description(f"{self.run}{self.done}/{self.done + self.requests_left} req", refresh=False)
 
-    def start_run(self, index: int, budget: TreeBudget, concurrency: int) -> None:
+    def start_run(self, index: int, budget: TreeShape, concurrency: int) -> None:
         self.run = f"budget {budget} x{concurrency} ({index + 1}/{self.runs}) "
         self._describe()
 
-    def request_done(self, budget: TreeBudget) -> None:
+    def request_done(self, budget: TreeShape) -> None:
         self.done += 1
         self.requests_left -= 1
         self._describe()
         self.bar.update(self.weight[budget])
 
-    def drop_run(self, budget: TreeBudget, unfinished: int | None = None) -> None:
+    def drop_run(self, budget: TreeShape, unfinished: int | None = None) -> None:
         """A run that will not happen (skipped), or the unfinished part of one cut short."""
         count = self.num_prompts if unfinished is None else unfinished
         self.requests_left -= count

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from ddtree.config import AR, CHAIN, TreeBudget
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 PERCENTILES = (99,)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -95,7 +95,7 @@ def latency_stats(name: str, seconds: list[float]) -> dict[str, float]:
 def summarize(
     outputs: list[RequestOutput],
     duration_s: float,
-    tree_budget: TreeBudget,
+    tree_budget: TreeShape,
     concurrency: int,
     counters: AcceptanceCounts | None = None,
 ) -> dict:
@@ -131,7 +131,7 @@ def summarize(
     return row
 
 
-def acceptance(done: list[RequestOutput], tree_budget: TreeBudget, counters: AcceptanceCounts | None) -> dict:
+def acceptance(done: list[RequestOutput], tree_budget: TreeShape, counters: AcceptanceCounts | None) -> dict:
     """mean_acceptance_length, decode_rounds (mean per request) and where they came from."""
     empty = {"mean_acceptance_length": None, "decode_rounds": None, "acceptance_source": None}
     if not done:
@@ -144,7 +144,7 @@ def acceptance(done: list[RequestOutput], tree_budget: TreeBudget, counters: Acc
     if counters is not None and counters.drafts > 0:
         return {"mean_acceptance_length": 1.0 + counters.accepted_tokens / counters.drafts,
                 "decode_rounds": counters.drafts / len(done), "acceptance_source": "metrics"}
-    if tree_budget == AR:
+    if not tree_budget.drafts:
         return {"mean_acceptance_length": 1.0, "decode_rounds": mean([max(o.output_tokens - 1, 0) for o in done]),
                 "acceptance_source": "definition"}
     return empty

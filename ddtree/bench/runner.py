@@ -16,7 +16,8 @@ import httpx
 
 from ddtree.bench.datasets import BenchPrompt
 from ddtree.bench.report import AcceptanceCounts, RequestOutput
-from ddtree.config import DDTreeError, SamplingParams, TreeBudget
+from ddtree.config import DDTreeError, SamplingParams
+from ddtree.tree_shape import TreeShape
 
 DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
 ACCEPTED_COUNTER = "vllm:spec_decode_num_accepted_tokens"
@@ -24,7 +25,7 @@ ACCEPTED_COUNTER = "vllm:spec_decode_num_accepted_tokens"
 
 @dataclass
 class SweepSettings:
-    tree_budgets: list[TreeBudget]
+    tree_budgets: list[TreeShape]
     concurrencies: list[int] = field(default_factory=lambda: [1])
     max_tokens: int = 128
     temperature: float = 0.0
@@ -79,7 +80,7 @@ class OfflineBackend:
                 raise DDTreeError(f"prompt {prompt.id!r}: {exc}", exc.param) from None
             self.prompt_ids[index] = ids
 
-    def generate_one(self, index: int, budget: TreeBudget, params: SamplingParams, sent_at: float,
+    def generate_one(self, index: int, budget: TreeShape, params: SamplingParams, sent_at: float,
                      deadline: float | None = None) -> RequestOutput:
         """Run one request (prompt ids from `check`); times count from `sent_at` (time.perf_counter()).
         Past `deadline` (a perf_counter time) the request stops after the step in progress and fails."""
@@ -117,7 +118,7 @@ class OfflineBackend:
         out.success = True
         return out
 
-    async def send(self, prompt: BenchPrompt, index: int, budget: TreeBudget, params: SamplingParams) -> RequestOutput:
+    async def send(self, prompt: BenchPrompt, index: int, budget: TreeShape, params: SamplingParams) -> RequestOutput:
         sent_at = time.perf_counter()
         try:
             return await asyncio.to_thread(self.generate_one, index, budget, params, sent_at)
@@ -125,7 +126,7 @@ class OfflineBackend:
             self.cancelled.set()
             raise
 
-    async def prepare(self, budget: TreeBudget) -> None:
+    async def prepare(self, budget: TreeShape) -> None:
         """Capture every graph the budget can need, so that no capture falls inside the timing."""
         def capture():
             with self.lock:
@@ -224,9 +225,9 @@ class LiveBackend:
         for index in range(len(prompts)):
             settings.params(index)  # validates the sampling settings; the server checks the rest
 
-    def _body(self, prompt: BenchPrompt, budget: TreeBudget, params: SamplingParams) -> dict:
+    def _body(self, prompt: BenchPrompt, budget: TreeShape, params: SamplingParams) -> dict:
         body = {"model": self.model, "max_tokens": params.max_tokens, "temperature": params.temperature,
-                "stream": True, "stream_options": {"include_usage": True}, "tree_budget": budget}
+                "stream": True, "stream_options": {"include_usage": True}, "tree_budget": budget.json_value}
         if params.top_p != 1.0:
             body["top_p"] = params.top_p
         if params.seed is not None:
@@ -239,7 +240,7 @@ class LiveBackend:
             body["prompt"] = prompt.prompt
         return body
 
-    async def send(self, prompt: BenchPrompt, index: int, budget: TreeBudget, params: SamplingParams) -> RequestOutput:
+    async def send(self, prompt: BenchPrompt, index: int, budget: TreeShape, params: SamplingParams) -> RequestOutput:
         out = RequestOutput(index)
         url = "/v1/chat/completions" if prompt.is_chat else "/v1/completions"
         pieces: list[str] = []

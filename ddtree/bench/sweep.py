@@ -22,7 +22,7 @@ from ddtree.bench.datasets import BenchPrompt
 from ddtree.bench.progress import SweepProgress
 from ddtree.bench.report import AcceptanceCounts, RequestOutput, mean, summarize
 from ddtree.bench.runner import SweepSettings
-from ddtree.config import TreeBudget
+from ddtree.tree_shape import TreeShape
 
 
 @dataclass
@@ -44,11 +44,11 @@ def _delta(before: AcceptanceCounts | None, after: AcceptanceCounts | None) -> A
 
 
 async def warm_up(backend, prompts: list[BenchPrompt], settings: SweepSettings, sweep: Sweep,
-                  progress: bool) -> dict[TreeBudget, float | None]:
+                  progress: bool) -> dict[TreeShape, float | None]:
     """Each budget's warm-up requests -> its mean request time in seconds (None without warm-up)."""
     from tqdm import tqdm
 
-    estimates: dict[TreeBudget, float | None] = {}
+    estimates: dict[TreeShape, float | None] = {}
     with tqdm(total=len(settings.tree_budgets), desc="warm-up", unit="budget", disable=not progress,
               dynamic_ncols=True, leave=False) as bar:
         for budget in settings.tree_budgets:
@@ -67,7 +67,7 @@ async def warm_up(backend, prompts: list[BenchPrompt], settings: SweepSettings, 
     return estimates
 
 
-async def run_one(backend, prompts: list[BenchPrompt], budget: TreeBudget, concurrency: int,
+async def run_one(backend, prompts: list[BenchPrompt], budget: TreeShape, concurrency: int,
                   settings: SweepSettings, on_request: Callable[[], None] | None = None) -> tuple[dict, dict[int, str]]:
     """Every prompt at `budget` with at most `concurrency` in flight -> (row, texts)."""
     if hasattr(backend, "prepare"):
@@ -92,7 +92,7 @@ async def run_one(backend, prompts: list[BenchPrompt], budget: TreeBudget, concu
 
 def _too_slow(row: dict, rows: list[dict], fraction: float) -> bool:
     level = [r["median_tokens_per_second"] for r in rows if r["concurrency"] == row["concurrency"] and r["completed"]]
-    return isinstance(row["tree_budget"], int) and row["median_tokens_per_second"] < fraction * max(level)
+    return row["tree_budget"].builds_tree and row["median_tokens_per_second"] < fraction * max(level)
 
 
 async def run_sweep(backend, prompts: list[BenchPrompt], settings: SweepSettings, progress: bool = True,
@@ -107,11 +107,11 @@ async def run_sweep(backend, prompts: list[BenchPrompt], settings: SweepSettings
     bar = SweepProgress(runs, len(prompts), estimates, progress)
     sweep.predicted_seconds = bar.predicted_seconds
     started = time.perf_counter()
-    ended_trees: dict[int, TreeBudget] = {}  # concurrency -> the tree budget that ran too slowly
+    ended_trees: dict[int, TreeShape] = {}  # concurrency -> the tree budget that ran too slowly
     try:
         for k, (concurrency, budget) in enumerate(runs):
             stop = ended_trees.get(concurrency)
-            if stop is not None and isinstance(budget, int) and budget > stop:
+            if stop is not None and budget.builds_tree and budget.budget > stop.budget:
                 sweep.skipped.append({"tree_budget": budget, "concurrency": concurrency,
                                       "reason": f"tree {stop} already ran below {prune_below:.0%} of the best"})
                 bar.drop_run(budget)

@@ -18,12 +18,13 @@ from ddtree.bench.datasets import stdlib_prompts
 from ddtree.bench.machine import device_name, git_revision, model_fingerprint
 from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
-from ddtree.config import AR, CHAIN, DDTreeError, SamplingParams, TreeBudget, parse_tree_budget
+from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
+from ddtree.tree_shape import AR, CHAIN, TreeShape, shape_json
 
 TUNE_FILE = "ddtree_tune.json"
 TUNE_FORMAT = "ddtree-tune/1"
-CALIBRATION_BUDGETS: list[TreeBudget] = [AR, CHAIN, 16, 32, 64, 128, 256, 512, 1024]
+CALIBRATION_BUDGETS = [AR, CHAIN, *map(TreeShape.best, (16, 32, 64, 128, 256, 512, 1024))]
 CALIBRATION_MAX_TOKENS = 64
 CALIBRATION_WARMUP_TOKENS = 8
 ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise
@@ -71,7 +72,7 @@ def write_tune_file(record: dict, path: str | Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.write_text(json.dumps(record, indent=2, default=shape_json) + "\n")
         tmp.replace(path)
     except OSError as exc:
         raise DDTreeError(f"cannot write the tune file {path}: {exc.strerror or exc} (pass --output)",
@@ -123,7 +124,7 @@ def pick_for_concurrency(record: dict, concurrency: int = 1) -> dict:
     return below[-1] if below else picks[0]
 
 
-def bucket_picks(record: dict, concurrency: int = 1) -> dict[str, TreeBudget]:
+def bucket_picks(record: dict, concurrency: int = 1) -> dict[str, TreeShape]:
     """The budget per temperature bucket: the file's pick where it measured the bucket, else (files
     made before the buckets) its greedy pick at `concurrency`."""
     greedy = pick_for_concurrency(record, concurrency)["tree_budget"]
@@ -145,7 +146,7 @@ def sweep_bucket_entry(report: dict, temperature: float) -> dict | None:
             "mean_acceptance_length": {str(r["tree_budget"]): r.get("mean_acceptance_length") for r in rows}}
 
 
-def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeBudget] | None = None,
+def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeShape] | None = None,
                     skip: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, dict]:
     """Calibrate each bucket (at its `measured_at` temperature) for `seconds_per_bucket`; buckets
     named in `skip` (the one the sweep measured) are left out."""
@@ -177,7 +178,7 @@ def _calibration_prompts(llm, max_tokens: int) -> list[list[int]]:
 
 
 def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = print,
-              budgets: list[TreeBudget] | None = None, temperature: float = 0.0) -> tuple[TreeBudget | None, dict]:
+              budgets: list[TreeShape] | None = None, temperature: float = 0.0) -> tuple[TreeShape | None, dict]:
     """Measure budgets on this machine within `time_limit_s` seconds -> (the budget with the best
     median tokens/s, or None if nothing was measured; a summary).
 
@@ -188,7 +189,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     all alike; after each turn a budget below half the leader's median (two samples or more) drops
     out. A request still running at the deadline stops after its round in progress and is not counted.
     """
-    budgets = sorted(budgets or CALIBRATION_BUDGETS, key=lambda b: (isinstance(b, int), b if isinstance(b, int) else 0))
+    budgets = sorted(budgets or CALIBRATION_BUDGETS, key=lambda b: (b.builds_tree, b.budget))
     start = time.perf_counter()
     deadline = start + time_limit_s
     max_tokens = max(1, min(CALIBRATION_MAX_TOKENS, llm.max_model_len // 4))
@@ -200,11 +201,11 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     backend = OfflineBackend(llm)
     backend.prompt_ids = dict(enumerate(p for p in _calibration_prompts(llm, max_tokens) if p))
     n_prompts = len(backend.prompt_ids)
-    samples: dict[TreeBudget, list[float]] = {b: [] for b in budgets}
-    accepted: dict[TreeBudget, list[int]] = {b: [0, 0] for b in budgets}  # [accepted tokens, rounds]
+    samples: dict[TreeShape, list[float]] = {b: [] for b in budgets}
+    accepted: dict[TreeShape, list[int]] = {b: [0, 0] for b in budgets}  # [accepted tokens, rounds]
     skipped: dict[str, str] = {}
 
-    def timed(index: int, budget: TreeBudget) -> bool:
+    def timed(index: int, budget: TreeShape) -> bool:
         out = backend.generate_one(index % n_prompts, budget, params, time.perf_counter(), deadline)
         if out.success:
             samples[budget].append(out.tokens_per_second)
@@ -212,7 +213,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
             accepted[budget][1] += out.decode_rounds or 0
         return out.success
 
-    racing: list[TreeBudget] = []
+    racing: list[TreeShape] = []
     for k, budget in enumerate(budgets):
         if time.perf_counter() >= deadline:
             skipped.update({str(b): "out of time" for b in budgets[k:]})
@@ -223,7 +224,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
             break
         racing.append(budget)
         best = max(median(samples[b]) for b in racing)
-        if isinstance(budget, int) and samples[budget][0] < ELIMINATE_BELOW * best:
+        if budget.builds_tree and samples[budget][0] < ELIMINATE_BELOW * best:
             skipped.update({str(b): f"tree {budget} already ran below half the best" for b in budgets[k + 1:]})
             break
     turn = 1
@@ -240,15 +241,15 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     picks = recommend(rows)
     summary = {"seconds": time.perf_counter() - start, "max_tokens": max_tokens, "temperature": temperature,
                "median_tokens_per_second": {str(r["tree_budget"]): r["median_tokens_per_second"] for r in rows},
-               "mean_acceptance_length": {str(b): (1.0 if b == AR else a / n) for b, (a, n) in accepted.items()
-                                          if samples[b] and (n or b == AR)},
+               "mean_acceptance_length": {str(b): (a / n if b.drafts else 1.0) for b, (a, n) in accepted.items()
+                                          if samples[b] and (n or not b.drafts)},
                "samples": {str(r["tree_budget"]): r["completed"] for r in rows},
                "skipped": skipped,
                "recommendation": picks[0] if picks else None}
     return (picks[0]["tree_budget"] if picks else None), summary
 
 
-def _survivors(racing: list[TreeBudget], samples: dict[TreeBudget, list[float]]) -> list[TreeBudget]:
+def _survivors(racing: list[TreeShape], samples: dict[TreeShape, list[float]]) -> list[TreeShape]:
     """Budgets still worth measuring: those without two samples yet, or within half the leader's median."""
     measured = {b: median(samples[b]) for b in racing if len(samples[b]) >= 2}
     if not measured:
@@ -265,13 +266,13 @@ def _by_reason(skipped: dict[str, str]) -> dict[str, list[str]]:
 
 
 def resolve_auto_budget(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
-                        time_limit_s: float = 60.0, concurrency: int = 1) -> TreeBudget:
+                        time_limit_s: float = 60.0, concurrency: int = 1) -> TreeShape:
     """The greedy bucket's budget from `resolve_auto_budgets`."""
     return resolve_auto_budgets(llm, draft_dir, log, time_limit_s, concurrency)[GREEDY.name]
 
 
 def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
-                         time_limit_s: float = 60.0, concurrency: int = 1) -> dict[str, TreeBudget]:
+                         time_limit_s: float = 60.0, concurrency: int = 1) -> dict[str, TreeShape]:
     """The tree budget per temperature bucket for `--tree-budget auto`: from
     `<draft_dir>/ddtree_tune.json` when it was measured on this device for this model pair, else from
     a calibration of at most `time_limit_s` (half for greedy, half shared by the sampled buckets)."""
@@ -314,5 +315,5 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
     return picks
 
 
-def _picks_line(picks: dict[str, TreeBudget]) -> str:
+def _picks_line(picks: dict[str, TreeShape]) -> str:
     return ", ".join(f"{name}: {budget}" for name, budget in picks.items())

@@ -210,7 +210,7 @@ def _add_info_routes(app: FastAPI, worker: EngineWorker, metrics: ServerMetrics,
         llm = worker.llm
         return {"status": "ok", "model": model_name, "target_model": llm.target_name,
                 "draft_model": llm.draft_name, "block_size": llm.block_size,
-                "max_draft_len": max(llm.block_size - 1, 0), "tree_budget": str(llm.default_budget),
+                "max_draft_len": max(llm.block_size - 1, 0), "tree_budget": llm.default_budget.label,
                 "tree_budget_mode": worker.tree_budget_mode, "max_model_len": llm.max_model_len,
                 "device": str(llm.device)}
 
@@ -297,7 +297,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
         _check_output_cap(body, limits.max_output_tokens)
         if body.tree_budget is not None:
             budget = parse_tree_budget(body.tree_budget)
-            if isinstance(budget, int) and budget > limits.max_tree_budget and budget != llm.default_budget:
+            if budget.budget > limits.max_tree_budget and budget != llm.default_budget:
                 raise DDTreeError(f"tree_budget {budget} is over this server's limit of {limits.max_tree_budget} "
                                   "(--max-tree-budget)", "tree_budget")
         return body, llm

@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 from ddtree.cli import add_model_args
-from ddtree.config import AR, DDTreeError, parse_tree_budget
+from ddtree.config import DDTreeError, parse_tree_budget
 from ddtree.server.limits import ServerLimits
 from ddtree.flags import PORT
 from ddtree.model_pair import check_budget_has_drafter, check_pair_configs
+from ddtree.tree_shape import TreeShape
 
 log = logging.getLogger("ddtree.server")
 
@@ -106,20 +107,22 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
 
     fixed = budget not in (None, "auto")
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              use_draft=budget != AR or args.draft is not None, **({"tree_budget": budget} if fixed else {}))
+              use_draft=not fixed or budget.drafts or args.draft is not None,
+              **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
         from ddtree.bench.tune import resolve_auto_budgets
         from ddtree.temperature_buckets import GREEDY
 
         log.info("tree budget 'auto': measuring budgets for this machine")
         llm.auto_budgets = resolve_auto_budgets(llm, llm.draft_path, log=log.info)
-        llm.default_budget = parse_tree_budget(llm.auto_budgets[GREEDY.name])
+        llm.default_budget = llm.auto_budgets[GREEDY.name]
         log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s", llm.default_budget,
                  ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()))
     if budget is None and llm.drafter is not None:
         from ddtree.budget_selector import CANDIDATES, OnlineBudgetSelector
 
-        candidates = tuple(b for b in CANDIDATES if b == AR or max_tree_budget is None or b <= max_tree_budget)
+        candidates = tuple(b for b in CANDIDATES
+                           if not b.builds_tree or max_tree_budget is None or b.budget <= max_tree_budget)
         if len(candidates) > 1:
             llm.budget_selector = OnlineBudgetSelector(candidates)
             log.info("tree budget: requests that name none get the fastest of %s for their temperature, as "
@@ -149,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Every flag is checked before the heavy imports and before the port opens: a mistake is one line.
     budget = parse_tree_budget(args.tree_budget, allow_auto=True) if args.tree_budget is not None else None
     limits = limits_from(args)
-    if isinstance(budget, int) and budget > limits.max_tree_budget:
+    if isinstance(budget, TreeShape) and budget.budget > limits.max_tree_budget:
         raise DDTreeError(f"--tree-budget {budget} is over --max-tree-budget {limits.max_tree_budget}")
     if args.api_key is not None and not args.api_key.strip():
         raise DDTreeError("--api-key must not be empty; leave it out to serve without a key")

@@ -10,22 +10,9 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ddtree.config import AR, CHAIN, TreeBudget
-
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 ACCEPTANCE_BUCKETS = tuple(range(1, 17)) + (24, 32, 64)
-
-
-def drafted_tokens_per_round(budget: TreeBudget, block_size: int, vocab_size: int) -> int:
-    """Tree nodes (root excluded) the drafter proposes each round: 0 for "ar", block_size - 1 for
-    "chain", else the budget, capped by the number of distinct prefixes the block allows."""
-    if budget == AR:
-        return 0
-    depth = max(block_size - 1, 0)
-    if budget == CHAIN:
-        return depth
-    return min(int(budget), depth * vocab_size)
 
 
 class ServerMetrics:

@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ddtree.config import AR, DDTreeError, SamplingParams, TreeBudget
-from ddtree.server.metrics import ServerMetrics, drafted_tokens_per_round
+from ddtree.config import DDTreeError, SamplingParams
+from ddtree.server.metrics import ServerMetrics
 from ddtree.temperature_buckets import bucket_of
+from ddtree.tree_shape import TreeShape
 
 log = logging.getLogger("ddtree.server")
 
@@ -52,7 +53,7 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    budget: TreeBudget
+    budget: TreeShape
     loop: asyncio.AbstractEventLoop
     request_id: str = "-"
     arrival: float = field(default_factory=time.perf_counter)
@@ -155,8 +156,8 @@ class EngineWorker:
     def ready(self) -> bool:
         return self.state == READY
 
-    def drafted_per_round(self, budget: TreeBudget) -> int:
-        return drafted_tokens_per_round(budget, self.llm.block_size, getattr(self.llm, "vocab_size", 1 << 30))
+    def drafted_per_round(self, budget: TreeShape) -> int:
+        return budget.drafted_tokens(self.llm.block_size, getattr(self.llm, "vocab_size", 1 << 30))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -262,8 +263,7 @@ class EngineWorker:
 
     def _record(self, job: Job, acceptance_lengths: list[int], output_tokens: int, finish_reason: str,
                 first_token_at: float | None, last_token_at: float | None) -> None:
-        drafted = self.drafted_per_round(job.budget) if job.budget != AR else 0
-        self.metrics.record_rounds(acceptance_lengths, drafted)
+        self.metrics.record_rounds(acceptance_lengths, self.drafted_per_round(job.budget))
         ttft = None if first_token_at is None else first_token_at - job.arrival
         span = None if first_token_at is None or last_token_at is None else last_token_at - first_token_at
         self.metrics.record_request(prompt_tokens=len(job.prompt_ids), output_tokens=output_tokens,

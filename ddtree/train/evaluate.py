@@ -24,6 +24,7 @@ from pathlib import Path
 from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.train.corpus import load_corpus, read_texts
+from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 SAMPLE_PROMPTS = ["def fib(n):", "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):"]
 
@@ -46,7 +47,7 @@ def held_out_prompts(llm, texts: list[str], count: int, prompt_tokens: int, seed
     return prompts
 
 
-def measure(llm, prompts: list[list[int]], budgets: list, max_tokens: int) -> dict:
+def measure(llm, prompts: list[list[int]], budgets: list[TreeShape], max_tokens: int) -> dict:
     """Decode every prompt with every budget -> per-budget acceptance and speed, plus the outputs."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results = {}
@@ -57,7 +58,7 @@ def measure(llm, prompts: list[list[int]], budgets: list, max_tokens: int) -> di
             lengths.extend(r.stats.acceptance_lengths)
             speeds.append(r.stats.tokens_per_second)
             outputs.append(r.token_ids)
-        results[str(budget)] = {
+        results[budget.label] = {
             "rounds": len(lengths),
             "mean_acceptance_length": sum(lengths) / max(len(lengths), 1),
             "median_tokens_per_second": statistics.median(speeds),
@@ -91,19 +92,19 @@ def evaluate(args: argparse.Namespace) -> dict:
     llm = LLM(args.target, args.draft, device=args.device)
     corpus = load_corpus(args.corpus, args.held_out_fraction)
     prompts = held_out_prompts(llm, read_texts(corpus.held_out_files), args.prompts, args.prompt_tokens, args.seed)
-    results = measure(llm, prompts, ["ar", *budgets], args.max_tokens)
-    reference = results["ar"]["outputs"]
+    results = measure(llm, prompts, [AR, *budgets], args.max_tokens)
+    reference = results[AR.label]["outputs"]
     for r in results.values():
         r["identical_to_ar"] = sum(a == b for a, b in zip(r["outputs"], reference))
     lossless = all(r["identical_to_ar"] == len(prompts) for r in results.values())
     samples = []
     for text in SAMPLE_PROMPTS:
         r = llm.generate(text, SamplingParams(max_tokens=args.sample_tokens, temperature=0.0), budgets[-1])
-        samples.append({"prompt": text, "completion": r.text, "tree_budget": str(budgets[-1]),
+        samples.append({"prompt": text, "completion": r.text, "tree_budget": budgets[-1].label,
                         "mean_acceptance_length": r.stats.mean_acceptance_length})
     for r in results.values():
         del r["outputs"]
-    chain = results.get("chain", {}).get("mean_acceptance_length")
+    chain = results.get(CHAIN.label, {}).get("mean_acceptance_length")
     report = {
         "command": "python -m ddtree.train.evaluate " + shlex.join(sys.argv[1:] if args.argv is None else args.argv),
         "machine": machine(str(llm.device)),
@@ -117,8 +118,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         "temperature": 0.0,
         "lossless": lossless,
         "results": results,
-        "tree_over_chain": {str(b): results[str(b)]["mean_acceptance_length"] / chain
-                            for b in budgets if b != "chain" and chain},
+        "tree_over_chain": {b.label: results[b.label]["mean_acceptance_length"] / chain
+                            for b in budgets if b != CHAIN and chain},
         "samples": samples,
     }
     out = Path(args.out)
