@@ -102,22 +102,15 @@ def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict
 
 
 def time_graph(engine: Engine, fn, reps: int = 20) -> float:
-    graph, _ = engine._capture(fn)
+    graph, _ = engine.capture(fn)
     return median_replay_ms(graph, reps)
 
 
 def stage_times(engine: Engine, budget) -> dict:
-    """Replay each stage alone as a CUDA graph at the engine's current state (mid-sequence).
-    Every stage writes only scratch slots past the committed length, so replays are harmless."""
-    # The next round may already be in flight: n is at most one round's keep past what the host read.
-    kv_len = engine._front_kv_len(budget, engine._host_n + engine.buffers[budget].keep)
-    out = {"draft_ms": 0.0, "build_ms": 0.0}
-    if budget.drafts:
-        out["draft_ms"] = time_graph(engine, lambda: engine._draft_logits(engine.root, engine.n, kv_len))
-        logits = engine._draft_logits(engine.root, engine.n, kv_len)  # the build's log-softmax counts as build
-        out["build_ms"] = time_graph(engine, lambda: engine._build(budget, logits, engine.root))
-    out["verify_ms"] = time_graph(engine, lambda: engine._verify(budget, kv_len))
-    out["walk_commit_ms"] = time_graph(engine, lambda: engine._back(budget))
+    """Replay each stage alone as a CUDA graph at the engine's current state (mid-sequence), in
+    round order; walk+commit advances the sequence on every replay, so the sequence ends after it."""
+    out = {"draft_ms": 0.0, "build_ms": 0.0}  # "ar" drafts nothing
+    out.update({f"{name}_ms": time_graph(engine, phase) for name, phase in engine.round_phases(budget).items()})
     return out
 
 

@@ -295,8 +295,9 @@ class Engine:
     def _bucket_len(self, needed: int) -> int:
         return -(-needed // self.kv_bucket) * self.kv_bucket
 
-    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm `fn` up on a side stream, then capture it. fn must only write scratch state."""
+    def capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm `fn` up on a side stream, then capture it into the engine's graph pool (CUDA only).
+        fn must only write scratch state."""
         start = time.perf_counter()
         graph, out = capture_graph(fn, self.graph_pool)
         torch.cuda.synchronize()  # intentional: capture happens once per graph, outside the round loop
@@ -311,7 +312,7 @@ class Engine:
         key = (budget, kv_len)
         if key not in self.front_graphs:
             start = time.perf_counter()
-            self.front_graphs[key] = self._capture(lambda: self._front(budget, kv_len))
+            self.front_graphs[key] = self.capture(lambda: self._front(budget, kv_len))
             log.info("captured front graph budget=%s kv_len=%d in %.2f s", budget, kv_len, time.perf_counter() - start)
         graph, logits = self.front_graphs[key]
         graph.replay()
@@ -322,7 +323,7 @@ class Engine:
             return self._padded_prefill(length)
         if length not in self.prefill_graphs:
             start = time.perf_counter()
-            self.prefill_graphs[length] = self._capture(lambda: self._padded_prefill(length))
+            self.prefill_graphs[length] = self.capture(lambda: self._padded_prefill(length))
             log.info("captured prefill graph length=%d in %.2f s", length, time.perf_counter() - start)
         graph, logits = self.prefill_graphs[length]
         graph.replay()
@@ -359,7 +360,7 @@ class Engine:
         if self.use_graphs:
             self.n.zero_()
             start = time.perf_counter()
-            self.back_graphs[budget], _ = self._capture(lambda: self._back(budget))
+            self.back_graphs[budget], _ = self.capture(lambda: self._back(budget))
             log.info("captured back graph budget=%s in %.2f s", budget, time.perf_counter() - start)
 
     def release(self, budget: TreeShape) -> None:
@@ -394,13 +395,32 @@ class Engine:
         self.n.fill_(1)  # the prefill's logit row is n - 1
         for length in self.prefill_lengths:
             if length not in self.prefill_graphs:
-                self.prefill_graphs[length] = self._capture(lambda: self._padded_prefill(length))
+                self.prefill_graphs[length] = self.capture(lambda: self._padded_prefill(length))
         self.n.zero_()
         self._host_n = 0
         for kv_len in self.front_kv_lens(budget):
             if (budget, kv_len) not in self.front_graphs:
-                self.front_graphs[(budget, kv_len)] = self._capture(lambda: self._front(budget, kv_len))
+                self.front_graphs[(budget, kv_len)] = self.capture(lambda: self._front(budget, kv_len))
         log.info("captured the prefill graphs and the front graphs of budget=%s in %.2f s", budget, time.perf_counter() - start)
+
+    def round_phases(self, budget: TreeShape) -> dict[str, Callable[[], object]]:
+        """A round of a prepared `budget` at the current state, as phases that each run alone, in
+        round order: "draft" and "build" (budgets that draft), "verify", "walk_commit". For timing
+        them one by one (benchmarks/round_latency.py), e.g. each captured with `capture`.
+
+        The build reuses the logits of one draft run made here. Draft, build and verify write only
+        slots past the committed length, so they may run any number of times; "walk_commit" commits
+        a round (n advances on every run), so it belongs at the end of a sequence."""
+        # A round may still be in flight: n is at most one round's keep past what the host read.
+        kv_len = self._front_kv_len(budget, self._host_n + self.buffers[budget].keep)
+        phases: dict[str, Callable[[], object]] = {}
+        if budget.drafts:
+            phases["draft"] = lambda: self._draft_logits(self.root, self.n, kv_len)
+            logits = phases["draft"]()  # the build's log-softmax counts as build
+            phases["build"] = lambda: self._build(budget, logits, self.root)
+        phases["verify"] = lambda: self._verify(budget, kv_len)
+        phases["walk_commit"] = lambda: self._back(budget)
+        return phases
 
     # -- generation ----------------------------------------------------------------------------
 

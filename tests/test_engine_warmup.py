@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from ddtree import LLM
 from ddtree.bench.runner import OfflineBackend
-from ddtree.config import DDTreeError, parse_tree_budget
+from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.tree_shape import AR, CHAIN, TreeShape
 from tiny_models import make_drafter, make_target
 
@@ -72,3 +73,20 @@ def test_offline_benchmark_warms_each_budget_up():
     asyncio.run(backend.prepare(CHAIN))
     assert llm.calls == [TreeShape.best(32), CHAIN]
 
+
+@pytest.mark.parametrize("budget", ["ar", "chain", 7])
+def test_round_phases_run_alone_in_round_order(llm, budget):
+    """The phases benchmarks/round_latency.py times one by one, at a sequence's current state."""
+    budget, engine = parse_tree_budget(budget), llm.engine
+    steps = engine.generate([3, 1, 4, 1, 5], SamplingParams(max_tokens=50, ignore_eos=True), budget)
+    next(steps), next(steps)  # the prefill and one round
+    with torch.inference_mode():
+        phases = engine.round_phases(budget)
+        assert list(phases) == (["draft", "build"] if budget.drafts else []) + ["verify", "walk_commit"]
+        n = int(engine.n)
+        for name in list(phases)[:-1]:
+            out = phases[name]()
+        assert out.shape[0] == budget.nodes(engine.block_size) and int(engine.n) == n  # the verify's logits
+        phases["walk_commit"]()
+        assert int(engine.n) > n
+    steps.close()
