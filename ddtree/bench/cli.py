@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
+from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError, parse_tree_budget
 from ddtree.flags import POSITIVE_NUMBER
 from ddtree.tree_shape import TreeShape, shape_json
@@ -299,8 +300,6 @@ def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -
 
 
 def register(subparsers) -> None:
-    from ddtree.cli import add_model_args
-
     bench = subparsers.add_parser(
         "bench", help="sweep tree budgets against a server or the in-process engine",
         description="Measure tokens/s, acceptance length, latency and parity with ar for each tree budget.")

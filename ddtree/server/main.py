@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddtree.cli import add_model_args
+from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError, parse_tree_budget
 from ddtree.server.limits import ServerLimits
 from ddtree.flags import PORT

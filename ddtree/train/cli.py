@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddtree.cli_args import run
 from ddtree.flags import DEVICE, OneLineErrorParser
 from ddtree.heldout import DEFAULT_HELD_OUT_FRACTION
 from ddtree.train.architectures import add_architecture_args
@@ -111,8 +112,6 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddtree.cli import run
-
     parser = OneLineErrorParser(prog="ddtree", description="ddtree training commands")
     register(parser.add_subparsers(dest="command", required=True))
     return run(parser, argv)
