@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ddtree.tree_shape import TreeShape
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 ACCEPTANCE_BUCKETS = tuple(range(1, 17)) + (24, 32, 64)
@@ -72,10 +74,10 @@ class ServerMetrics:
     def set_tree_budget(self, nodes: int) -> None:
         self.tree_budget.labels(self.model_name).set(nodes)
 
-    def set_auto_budgets(self, picks: dict) -> None:
+    def set_auto_budgets(self, picks: dict[str, TreeShape]) -> None:
         """--tree-budget auto's pick per temperature bucket, one series each."""
         for bucket, budget in picks.items():
-            self.auto_tree_budget.labels(self.model_name, bucket, str(budget)).set(1)
+            self.auto_tree_budget.labels(self.model_name, bucket, budget.label).set(1)
 
     def set_budgets_allocated(self, count: int) -> None:
         self.budgets_allocated.labels(self.model_name).set(count)
