@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ddtree.tree_shape import AR, TreeShape
 
