@@ -147,6 +147,17 @@ def test_finish_flags_parity_failures_and_failed_requests_loudly():
     assert report["recommendation"]["tree_budget"] == TreeShape.best(64)
     assert any("PARITY FAILURE" in w and "64" in w and "50.0%" in w and "g" in w for w in report["warnings"])
     assert any("1 of 5 requests failed" in w and "HTTP 400: bad" in w for w in report["warnings"])
+    # In bf16 the same gap is stated as expected rounding, with the float32 check to tell a bug apart.
+    for dtype in ("bfloat16", "float16"):
+        rows = [_row("ar", 1, 10.0), _row(64, 1, 30.0)]
+        reduced = finish(rows, [{0: "a", 1: "b"}, {0: "a", 1: "x"}], greedy=True, prompt_names=["f", "g"], dtype=dtype)
+        assert reduced["parity_ok"] is False
+        [warning] = reduced["warnings"]
+        assert warning.startswith(f"parity in {dtype}: tree budget 64") and "50.0%" in warning
+        assert "--dtype float32" in warning and "PARITY FAILURE" not in warning
+    rows = [_row("ar", 1, 10.0), _row(64, 1, 30.0)]
+    exact = finish(rows, [{0: "a", 1: "b"}, {0: "a", 1: "x"}], greedy=True, dtype="float32")
+    assert exact["warnings"][0].startswith("PARITY FAILURE")
     clean = finish([_row("ar", 1, 10.0), _row(64, 1, 30.0)], [{0: "a"}, {0: "a"}], greedy=True)
     assert clean["parity_ok"] is True and clean["warnings"] == []
     sampled = finish([_row("ar", 1, 10.0)], [{0: "a"}], greedy=False)

@@ -181,7 +181,8 @@ def run_and_report(args: argparse.Namespace, backend, prompts, settings, title: 
         asyncio.run(_sweep(backend, prompts, settings, not args.no_progress, sweep, view.on_row, prune_below))
     except KeyboardInterrupt:
         sweep.interrupted = True
-    report = finish(sweep.rows, sweep.texts, settings.greedy, names)
+    info = backend.describe()
+    report = finish(sweep.rows, sweep.texts, settings.greedy, names, dtype=info.get("dtype", info.get("health", {}).get("dtype")))
     view.finish(report, sweep)
     return sweep, report, view
 
