@@ -125,6 +125,48 @@ def test_engine_failure_is_503_on_health_before_exit_1(demo_pair):
         server.kill()
 
 
+# Runs `ddtree serve` with an engine whose first decode round never returns, as a hung GPU would.
+HUNG_ENGINE = """
+import sys
+import time
+import ddtree.engine
+
+def hung_back(self, budget):
+    time.sleep(3600)
+
+ddtree.engine.Engine._back = hung_back
+from ddtree.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_hung_engine_is_503_stalled_then_ends_its_requests_and_exits_1(demo_pair):
+    stall_exit = 4.0
+    server = LiveServer(*demo_pair, "--engine-stall-timeout", "1", "--engine-stall-exit", str(stall_exit),
+                        "--log-level", "info", api_key=None, launcher=("-c", HUNG_ENGINE)).wait_ready()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            sent_at = time.monotonic()
+            with http.stream("POST", "/v1/completions",
+                             json={"prompt": "def f(x):", "max_tokens": 8, "stream": True}) as stream:
+                health = []
+                while server.proc.poll() is None and time.monotonic() - sent_at < 3:
+                    health.append(http.get("/health").status_code)
+                    time.sleep(0.2)
+                body = stream.read().decode()
+        server.proc.wait(60)
+        exited_after = time.monotonic() - sent_at
+        print(f"hung engine: /health {health.count(503)} x 503, the stream ended with {body[-120:]!r}, "
+              f"exit {server.proc.returncode} {exited_after:.1f} s after the request (--engine-stall-exit {stall_exit:g})")
+        assert 503 in health
+        assert "engine_unavailable" in body and "engine-stall-exit" in body and body.rstrip().endswith("[DONE]")
+        assert server.proc.returncode == 1
+        assert stall_exit <= exited_after <= stall_exit + 30
+        assert "exiting with code 1" in server.output()
+    finally:
+        server.kill()
+
+
 def run_serve(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=quiet_env())

@@ -38,6 +38,7 @@ class ServerLimits:
     # -- failure and shutdown ------------------------------------------------------------------
     shutdown_timeout: float = 120.0  # SIGTERM drains this long, then ends what is left
     engine_stall_timeout: float = 120.0  # /health answers 503 after this long without engine progress
+    engine_stall_exit: float = 600.0  # ... and the server exits 1 after this long (0: never)
     failure_exit_delay: float = 5.0  # after an engine failure, /health answers 503 this long, then exit 1
 
     def json_values(self, max_model_len: int) -> int:
@@ -59,7 +60,7 @@ class ServerLimits:
                 continue
             minimum = 0 if name in ("max_cached_budgets", "max_queued_requests") else 1
             if isinstance(value, float):
-                minimum = 0.0 if name == "failure_exit_delay" else 0.001
+                minimum = 0.0 if name in ("failure_exit_delay", "engine_stall_exit") else 0.001
             if value < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= {minimum}, got {value}")

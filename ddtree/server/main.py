@@ -56,6 +56,9 @@ LIMIT_FLAGS = {
                                     "for this many seconds"),
     "failure_exit_delay": (float, "seconds /health answers 503 after an engine failure before the server "
                                   "exits with code 1"),
+    "engine_stall_exit": (float, "seconds without engine progress, with work waiting, after which the server "
+                                 "ends its requests with an error and exits with code 1 so that a service "
+                                 "manager restarts it; 0: never"),
 }
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
              "served_model_name", "api_key", "log_level", "warmup", *LIMIT_FLAGS)
@@ -198,11 +201,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=limits.shutdown_timeout + 5)
     server = GracePeriodServer(config, grace_period(limits.shutdown_timeout), end_what_is_left)
 
+    def watch_for_a_stall() -> None:
+        """A hung engine (a GPU that stopped answering) never fails by itself: end the process."""
+        while not server.should_exit:
+            stalled = worker.stalled_for()
+            if stalled > limits.engine_stall_exit:
+                reason = (f"the engine made no progress for {stalled:.0f} s with work waiting "
+                          f"(--engine-stall-exit {limits.engine_stall_exit:g}); the server is restarting")
+                log.error("%s: ending its requests and exiting with code 1", reason)
+                outcome["exit"] = 1
+                worker.abandon(reason)
+                server.should_exit = True
+                return
+            time.sleep(min(1.0, limits.engine_stall_exit / 4))
+
     def load() -> None:
         try:
             llm = _load(args, budget, warmup, limits.max_tree_budget)
             worker.attach(llm, "auto" if budget == "auto" else "adaptive" if llm.budget_selector else "fixed")
             log.info("serving %r on http://%s:%d", name, args.host, args.port)
+            if limits.engine_stall_exit > 0:
+                threading.Thread(target=watch_for_a_stall, name="ddtree-stall-watch", daemon=True).start()
         except BaseException as exc:  # reported after the HTTP server has stopped
             outcome["error"] = exc
             server.should_exit = True

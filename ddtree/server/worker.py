@@ -95,6 +95,7 @@ class EngineWorker:
         self._progress_at = time.monotonic()  # the engine's last step (or the start of its current job)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._abandoned = False  # `abandon`: stop() no longer waits for the engine thread
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -118,16 +119,26 @@ class EngineWorker:
                  llm.default_budget, llm.device)
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Finish the queued jobs, then end the thread; False if it was still running after `timeout`."""
+        """Finish the queued jobs, then end the thread; False if it was still running after `timeout`
+        (at once once the thread is abandoned)."""
         with self._lock:
             if self.state == READY:
                 self.state = STOPPED
             thread = self._thread
+            if self._abandoned:
+                return False
         if thread is not None and thread.is_alive():
             self._jobs.put(None)
             thread.join(timeout)
             return not thread.is_alive()
         return True
+
+    def abandon(self, reason: str) -> int:
+        """For an engine thread that is stuck (a hung GPU): end every job as `abort_all` does, and let
+        `stop` return without waiting for the thread, which the process's exit then ends."""
+        with self._lock:
+            self._abandoned = True
+        return self.abort_all(reason)
 
     def abort_all(self, reason: str) -> int:
         """Refuse new jobs and end every job with EngineUnavailable(reason): the running one stops
