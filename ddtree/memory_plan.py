@@ -17,9 +17,8 @@ Every figure counts what ddtree allocates today (tests/test_memory_plan.py compa
 - per tree budget (N = nodes verified per round): the round's buffers (RoundBuffers: tree, mask
   N x N, features N x taps x H x b, summary, log-prob rows), a hybrid's verify stash per node and
   Gated DeltaNet layer (RecurrentScratch: conv_dim x b + 4 (Hk Dk + Hv Dv + Hv)), and with CUDA
-  graphs the verify's logits N x V x 4 held by each front graph: one graph per KV bucket, so
-  about context / 256 of them for a sequence that reaches `context` tokens; plus one [1, V]
-  float32 logits row per prefill graph.
+  graphs the budget's one logits buffer N x V x 4, where each of its front graphs (one per KV
+  bucket) leaves the verify's logits; plus one [1, V] float32 logits row per prefill graph.
 
 Not counted: activations and allocator slack of a forward (the temporaries of a round, a long
 prefill's [T, ...] tensors, the drafter's [b - 1, V] logits), torch.compile and Triton workspaces,
@@ -183,7 +182,8 @@ def round_buffer_bytes(target: TargetConfig, drafter: DrafterConfig | None, budg
 
 
 def verify_logits_bytes(target: TargetConfig, nodes: int) -> int:
-    """The verify's logits [N, V] in float32: each captured front graph holds its own."""
+    """The verify's logits [N, V] in float32: with CUDA graphs, the budget's logits buffer, which all
+    of its front graphs share."""
     return nodes * target.vocab_size * FLOAT32
 
 
@@ -212,7 +212,7 @@ def prefill_lengths(limit: int) -> list[int]:
 @dataclass(frozen=True)
 class PairMemory:
     """The memory plan of a target (+ drafter) at a dtype and a tree budget. graphs: CUDA graphs on
-    (ddtree's default on a GPU): KV bucket 256, padded prefill, a logits buffer per front graph."""
+    (ddtree's default on a GPU): KV bucket 256, padded prefill, a logits buffer per budget."""
 
     target: TargetConfig
     drafter: DrafterConfig | None = None
@@ -274,12 +274,11 @@ class PairMemory:
         return total
 
     def graph_output_bytes(self, context: int) -> int:
-        """With graphs: the verify logits each front graph holds, and a logits row per prefill graph."""
+        """With graphs: the budget's verify logits buffer, and a logits row per prefill graph."""
         if not self.graphs:
             return 0
-        fronts = front_graph_count(context, self.nodes, self.block_size, self.kv_bucket)
         prefills = len(prefill_lengths(min(PREFILL_PAD_MAX, context)))
-        return fronts * verify_logits_bytes(self.target, self.nodes) + prefills * self.target.vocab_size * FLOAT32
+        return verify_logits_bytes(self.target, self.nodes) + prefills * self.target.vocab_size * FLOAT32
 
     def engine_bytes(self, context: int) -> int:
         """The engine's own small tensors: the drafter's input block [b, H] and block mask [b, b],

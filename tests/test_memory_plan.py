@@ -196,7 +196,7 @@ def test_hybrid_engine_with_graph_buckets_holds_exactly_the_plan(hybrid_pair):
     assert held == expected.total_bytes(MAX_LEN) - expected.graph_output_bytes(MAX_LEN)
 
 
-# -- what a graph holds: one verify's logits per KV bucket -------------------------------------------
+# -- what graphs hold: one verify's logits per budget, whatever the KV bucket -----------------------
 
 @pytest.mark.parametrize("budget", [AR, CHAIN, TreeShape.best(3)])
 def test_front_graphs_and_their_logits(demo_pair, budget):
@@ -206,9 +206,15 @@ def test_front_graphs_and_their_logits(demo_pair, budget):
     engine.prepare(budget)
     nodes = budget.nodes(engine.block_size)
     assert plan.front_graph_count(600, nodes, engine.block_size, engine.kv_bucket) == len(engine.front_kv_lens(budget))
+    bufs = engine.buffers[budget]
+    assert bufs.logits is None  # an eager engine keeps no logits between rounds
+    bufs.logits = torch.full((nodes, tcfg.vocab_size), float("nan"))  # what a graphs engine's prepare allocates
+    kv_len = engine._front_kv_len(budget, 0)
     with torch.inference_mode():
-        logits = engine._front(budget, engine._front_kv_len(budget, 0))
-    assert logits.nbytes == plan.verify_logits_bytes(tcfg, nodes)
+        direct = engine._front(budget, kv_len).clone()
+        shared = engine._front_into_buffer(budget, kv_len)  # what every front graph of the budget captures
+    assert shared is bufs.logits and torch.equal(shared, direct)
+    assert shared.nbytes == plan.verify_logits_bytes(tcfg, nodes)
 
 
 # -- the answers ----------------------------------------------------------------------------------
