@@ -84,9 +84,7 @@ class RoundBuffers:
     """Fixed buffers of one budget, shared by its graphs: the tree, the verify features, the
     choices and the summary the host reads."""
 
-    def __init__(self, size: int, keep: int, feature_dim: int, device, dtype, scratch=None, vocab_size: int = 0):
-        """vocab_size: with CUDA graphs, the rows of `logits`, where every front graph of the budget
-        leaves its verify's logits; 0 (eager) allocates none."""
+    def __init__(self, size: int, keep: int, feature_dim: int, device, dtype, scratch=None):
         self.size, self.keep = size, keep
         self.scratch = scratch  # a hybrid target's per-node stash for the commit (None for dense targets)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
@@ -96,9 +94,11 @@ class RoundBuffers:
         self.visible = torch.zeros(size, size, dtype=torch.bool, device=device)
         self.features = torch.zeros(size, max(feature_dim, 1), dtype=dtype, device=device)
         self.choices = torch.zeros(size, dtype=torch.long, device=device)
-        # One per budget rather than one per captured front graph (one per KV bucket): a graph's own
-        # output would stay allocated with it, N x V x 4 bytes for each 256 tokens of context.
-        self.logits = torch.zeros(size, vocab_size, dtype=torch.float32, device=device) if vocab_size else None
+        # With CUDA graphs, [size, V] float32: where every front graph of the budget leaves its
+        # verify's logits (Engine._capture_front). One per budget rather than one per graph (one per
+        # KV bucket): a graph's own output would stay allocated with it, N x V x 4 bytes for each 256
+        # tokens of context.
+        self.logits: torch.Tensor | None = None
         self.offsets = torch.arange(size, device=device)  # node i's slot is n + i
         self.summary = torch.zeros(keep + 2, dtype=torch.long, device=device)
         # The kept nodes (accepted first, in depth order), for log-probs: the tokens a round emits
@@ -264,6 +264,14 @@ class Engine:
         logits.copy_(self._front(budget, kv_len))
         return logits
 
+    def _capture_front(self, budget: TreeShape, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the budget's front at KV length kv_len; its logits buffer is allocated with the
+        first (outside the capture: a budget that never runs a round never holds one)."""
+        bufs = self.buffers[budget]
+        if bufs.logits is None:
+            bufs.logits = torch.zeros(bufs.size, self.target.config.vocab_size, dtype=torch.float32, device=self.device)
+        return self.capture(lambda: self._front_into_buffer(budget, kv_len))
+
     def _back(self, budget: TreeShape) -> None:
         """Walk the tree with the choices, compact the KV cache, extend the drafter's context, write the summary."""
         bufs = self.buffers[budget]
@@ -326,7 +334,7 @@ class Engine:
         key = (budget, kv_len)
         if key not in self.front_graphs:
             start = time.perf_counter()
-            self.front_graphs[key] = self.capture(lambda: self._front_into_buffer(budget, kv_len))
+            self.front_graphs[key] = self._capture_front(budget, kv_len)
             log.info("captured front graph budget=%s kv_len=%d in %.2f s", budget, kv_len, time.perf_counter() - start)
         graph, logits = self.front_graphs[key]
         graph.replay()
@@ -357,8 +365,7 @@ class Engine:
         size = budget.nodes(self.block_size)
         keep = min(size, self.block_size or 1)
         scratch = self.target.new_scratch(size, self.device, self.dtype)
-        vocab = self.target.config.vocab_size if self.use_graphs else 0
-        self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype, scratch, vocab)
+        self.buffers[budget] = RoundBuffers(size, keep, self.feature_dim, self.device, self.dtype, scratch)
         zero = torch.zeros((), dtype=torch.long, device=self.device)
         if budget.single_node:
             self.buffers[budget].store(single_node(zero))
@@ -415,7 +422,7 @@ class Engine:
         self._host_n = 0
         for kv_len in self.front_kv_lens(budget):
             if (budget, kv_len) not in self.front_graphs:
-                self.front_graphs[(budget, kv_len)] = self.capture(lambda: self._front_into_buffer(budget, kv_len))
+                self.front_graphs[(budget, kv_len)] = self._capture_front(budget, kv_len)
         log.info("captured the prefill graphs and the front graphs of budget=%s in %.2f s", budget, time.perf_counter() - start)
 
     def round_phases(self, budget: TreeShape) -> dict[str, Callable[[], object]]:

@@ -207,8 +207,8 @@ def test_front_graphs_and_their_logits(demo_pair, budget):
     nodes = budget.nodes(engine.block_size)
     assert plan.front_graph_count(600, nodes, engine.block_size, engine.kv_bucket) == len(engine.front_kv_lens(budget))
     bufs = engine.buffers[budget]
-    assert bufs.logits is None  # an eager engine keeps no logits between rounds
-    bufs.logits = torch.full((nodes, tcfg.vocab_size), float("nan"))  # what a graphs engine's prepare allocates
+    assert bufs.logits is None  # only graphs keep logits between rounds
+    bufs.logits = torch.full((nodes, tcfg.vocab_size), float("nan"))  # a graphs engine's, from its first capture
     kv_len = engine._front_kv_len(budget, 0)
     with torch.inference_mode():
         direct = engine._front(budget, kv_len).clone()
