@@ -124,9 +124,12 @@ class RoundBuffers:
         return Tree(self.tokens, self.parents, self.depths, self.valid, self.visible)
 
 
-def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Run `fn` once on a side stream (allocations, lazy compiles), then capture it -> (graph, its output)."""
-    stream = torch.cuda.Stream()
+def capture_graph(fn: Callable[[], object], pool=None,
+                  stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `fn` once on a side stream (allocations, lazy compiles), then capture it -> (graph, its
+    output). stream: the side stream; pass the same one for every capture of a long-lived owner,
+    since the caching allocator keeps each stream's freed blocks for that stream alone."""
+    stream = stream if stream is not None else torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
@@ -195,6 +198,9 @@ class Engine:
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.back_graphs: dict[TreeShape, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Every capture's warm-up runs here: a new stream per capture would leave each warm-up's
+        # freed blocks cached for a stream no one uses again (reserved memory growing per graph).
+        self.warmup_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         # The tree build as Triton kernels (ddtree.kernels.tree_build) where Triton and CUDA are
         # present; `build_tree` (the same result, ~10 operators per depth) elsewhere.
         self.fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
@@ -321,7 +327,7 @@ class Engine:
         """Warm `fn` up on a side stream, then capture it into the engine's graph pool (CUDA only).
         fn must only write scratch state."""
         start = time.perf_counter()
-        graph, out = capture_graph(fn, self.graph_pool)
+        graph, out = capture_graph(fn, self.graph_pool, self.warmup_stream)
         torch.cuda.synchronize()  # intentional: capture happens once per graph, outside the round loop
         self.capture_seconds += time.perf_counter() - start
         return graph, out
