@@ -55,9 +55,8 @@ def describe(pair: PairMemory, free_bytes: int, contexts=CONTEXTS) -> str:
         f"(fused context k/v copy included)",
         f"KV cache per token: {kv_split(pair)} KiB (target + drafter)",
         f"fixed per sequence (recurrent state + conv window): {pair.state_bytes / MiB:.2f} MiB",
-        f"round buffers of budget {pair.budget}: {pair.round_bytes / MiB:.2f} MiB; verify logits per front graph: "
-        f"{verify_logits_bytes(pair.target, pair.nodes) / MiB if pair.graphs else 0:.2f} MiB (one per {pair.kv_bucket} "
-        f"tokens of context)",
+        f"round buffers of budget {pair.budget}: {pair.round_bytes / MiB:.2f} MiB; verify logits buffer shared by its "
+        f"front graphs: {verify_logits_bytes(pair.target, pair.nodes) / MiB if pair.graphs else 0:.2f} MiB",
         f"longest context: {longest} tokens (config limit {pair.target.max_position_embeddings})",
     ]
     for context in contexts:
