@@ -16,7 +16,7 @@ from typing import Iterator, Union
 import torch
 
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
-from ddtree.engine import Engine
+from ddtree.engine import Engine, Step
 from ddtree.logprobs import TokenLogprob
 from ddtree.flags import parse_device
 from ddtree.model_pair import (  # noqa: F401 (DEFAULT_DRAFT: the demo drafter, for callers)
@@ -76,6 +76,51 @@ class StreamEvent:
         return self.result is not None
 
 
+class RequestProgress:
+    """One request's output as its engine steps arrive: stop rules and text (`OutputBuilder`),
+    statistics and log-probs; the same for a request decoded alone or in a batch."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape, eos_token_ids: list[int],
+                 decode):
+        self.prompt_ids = prompt_ids
+        self.out = OutputBuilder(params, eos_token_ids, decode)
+        self.stats = GenerationStats(tree_budget=budget.label)
+        self.start = time.perf_counter()
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.taken: list[int] = []
+        self.taken_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finished
+
+    def add(self, step: Step) -> StreamEvent | None:
+        """Take a step's tokens up to the first stop -> the event to hand out, or None once the
+        request has finished (its last tokens then go out with `final_event`)."""
+        if step.acceptance_length:
+            self.stats.decode_rounds += 1
+            self.stats.acceptance_lengths.append(step.acceptance_length)
+        else:
+            self.stats.time_to_first_token_s = time.perf_counter() - self.start
+        self.taken = self.out.add(step.tokens)
+        if self.logprobs is not None:
+            self.taken_logprobs = step.logprobs[: len(self.taken)]
+            self.logprobs += self.taken_logprobs
+        if self.out.finished:
+            return None
+        return StreamEvent(self.taken, self.out.text_delta(), logprobs=self.taken_logprobs)
+
+    def final_event(self) -> StreamEvent:
+        """The last event: the last step's tokens and the request's result."""
+        stats, out = self.stats, self.out
+        elapsed = time.perf_counter() - self.start
+        if stats.acceptance_lengths:
+            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / len(stats.acceptance_lengths)
+        stats.tokens_per_second = len(out.token_ids) / elapsed if elapsed > 0 else 0.0
+        result = GenerationResult(out.text, list(out.token_ids), self.prompt_ids, out.finish_reason, stats, self.logprobs)
+        return StreamEvent(self.taken, out.text_delta(), result, self.taken_logprobs)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -100,12 +145,16 @@ class LLM:
         padded_prefill: bool | None = None,
         overlap: bool = True,
         max_cached_budgets: int | None = None,
+        max_num_seqs: int | None = None,
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
         `tree_budget=None` is 64 with a drafter and `ar` without.
         max_cached_budgets: how many tree budgets besides the default keep their buffers and
-        graphs between requests (least recently used beyond it are freed; None keeps every one)."""
+        graphs between requests (least recently used beyond it are freed; None keeps every one).
+        max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
+        ddtree.batching). None: 8 on a CPU; 1 on CUDA, where the one-request engine's CUDA graphs
+        beat the batched engine, which has none yet. Hybrid targets decode one request at a time."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = None
         if use_draft:
@@ -142,6 +191,10 @@ class LLM:
                              compile_layers=compile_layers, fused_tree=fused_tree,
                              padded_prefill=padded_prefill, overlap=overlap)
         self.working_set = BudgetWorkingSet(self.engine, max_cached_budgets)
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise DDTreeError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")
+        self.max_num_seqs = 1 if cfg.hybrid else (max_num_seqs or (1 if self.device.type == "cuda" else 8))
+        self._batch = None  # the BatchedRequests of `batched`, made on first use
 
     # -- facts the server and benchmark report -----------------------------------------------
 
@@ -260,36 +313,23 @@ class LLM:
         params = params or SamplingParams()
         prompt_ids = self.prompt_ids(prompt)
         budget = self.check_request(prompt_ids, params, tree_budget)
-        decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
-        out = OutputBuilder(params, self.eos_token_ids, decode)
-        stats = GenerationStats(tree_budget=budget.label)
-        start = time.perf_counter()
+        progress = self.progress(prompt_ids, params, budget)
         self.working_set.use(budget, pinned=(self.default_budget,))
         steps = self.engine.generate(prompt_ids, params, budget)
-        logprobs = [] if params.logprobs is not None else None
-        taken_logprobs = None
         try:
             for step in steps:
-                if step.acceptance_length:
-                    stats.decode_rounds += 1
-                    stats.acceptance_lengths.append(step.acceptance_length)
-                else:
-                    stats.time_to_first_token_s = time.perf_counter() - start
-                taken = out.add(step.tokens)
-                if logprobs is not None:
-                    taken_logprobs = step.logprobs[: len(taken)]
-                    logprobs += taken_logprobs
-                if out.finished:
+                event = progress.add(step)
+                if event is None:
                     break
-                yield StreamEvent(taken, out.text_delta(), logprobs=taken_logprobs)
+                yield event
         finally:
             steps.close()
-        elapsed = time.perf_counter() - start
-        if stats.acceptance_lengths:
-            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / len(stats.acceptance_lengths)
-        stats.tokens_per_second = len(out.token_ids) / elapsed if elapsed > 0 else 0.0
-        result = GenerationResult(out.text, list(out.token_ids), prompt_ids, out.finish_reason, stats, logprobs)
-        yield StreamEvent(taken, out.text_delta(), result, taken_logprobs)
+        yield progress.final_event()
+
+    def progress(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape) -> "RequestProgress":
+        """A request's output tracker (stop rules, text, statistics), started now."""
+        decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
+        return RequestProgress(prompt_ids, params, budget, self.eos_token_ids, decode)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  tree_budget: object = None) -> GenerationResult | list[GenerationResult]:
@@ -316,7 +356,43 @@ class LLM:
                 self.check_request(ids[-1], p, tree_budget)
             except DDTreeError as exc:
                 raise DDTreeError(f"prompt {index}: {exc}", exc.param) from None
+        if self.max_num_seqs > 1 and len(ids) > 1:
+            budgets = [self._budget(tree_budget, p.temperature, len(i)) for i, p in zip(ids, per_prompt)]
+            return self._generate_batched(ids, per_prompt, budgets)
         return [self._generate_one(i, p, tree_budget) for i, p in zip(ids, per_prompt)]
+
+    def batched(self, max_nodes: int | None = None):
+        """The `ddtree.batching.BatchedRequests` of this LLM: up to max_num_seqs requests decoded
+        together, with trees of up to max_nodes nodes (default: the largest tree budget's). Made on
+        first use and kept; made again only for larger trees. Its caches hold max_num_seqs
+        sequences of max_model_len tokens and max_nodes tree slots each."""
+        if self.max_num_seqs < 2:
+            raise DDTreeError("batched decoding needs max_num_seqs >= 2 and a dense target", "max_num_seqs")
+        if self._batch is None or (max_nodes is not None and self._batch.engine.max_nodes < max_nodes):
+            from ddtree.batching import BatchedRequests  # it imports this module
+
+            self._batch = BatchedRequests(self, self.max_num_seqs, max_nodes)
+        return self._batch
+
+    def _generate_batched(self, ids: list[list[int]], params: list[SamplingParams],
+                          budgets: list[TreeShape]) -> list[GenerationResult]:
+        """Checked requests through `batched`, joining as rows free up; results in prompt order."""
+        batch = self.batched(max(budget.nodes(self.block_size) for budget in budgets))
+        results: list[GenerationResult | None] = [None] * len(ids)
+        index_of: dict[int, int] = {}
+        waiting = list(range(len(ids)))
+        while waiting or batch.running:
+            while waiting and batch.free:
+                i = waiting.pop(0)
+                request, event = batch.add(ids[i], params[i], budgets[i])
+                if event.result is not None:
+                    results[i] = event.result
+                else:
+                    index_of[id(request)] = i
+            for request, event in batch.step():
+                if event.result is not None:
+                    results[index_of.pop(id(request))] = event.result
+        return results
 
     def _generate_one(self, prompt: Prompt, params: SamplingParams | None, tree_budget: object) -> GenerationResult:
         for event in self.stream(prompt, params, tree_budget):

@@ -42,13 +42,26 @@ def test_health_is_503_while_loading_then_200(llm):
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
 
 
-def test_engine_failure_is_a_500_then_503_and_reported(demo_pair):
-    broken = LLM(*demo_pair, device="cpu", max_model_len=96)
+def broken_llm(demo_pair, batched: bool) -> LLM:
+    """An LLM whose rounds fail after the prefill, decoding one request at a time or batched."""
+    broken = LLM(*demo_pair, device="cpu", max_model_len=96, max_num_seqs=8 if batched else 1)
 
     def failing_walk(tree, choices):
         raise RuntimeError("device lost")
 
-    broken.engine.walk_fn = failing_walk
+    if batched:
+        broken.batched().engine.walk_fn = failing_walk
+    else:
+        broken.engine.walk_fn = failing_walk
+    return broken
+
+
+MODES = pytest.mark.parametrize("batched", [False, True], ids=["one_at_a_time", "batched"])
+
+
+@MODES
+def test_engine_failure_is_a_500_then_503_and_reported(demo_pair, batched):
+    broken = broken_llm(demo_pair, batched)
     deaths = []
     app = create_app(broken, on_engine_death=deaths.append)
     with TestClient(app, raise_server_exceptions=False) as client:
@@ -66,13 +79,9 @@ def test_engine_failure_is_a_500_then_503_and_reported(demo_pair):
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
 
 
-def test_engine_failure_mid_stream_ends_with_an_error_chunk(demo_pair):
-    broken = LLM(*demo_pair, device="cpu", max_model_len=96)
-
-    def failing_walk(tree, choices):
-        raise RuntimeError("device lost")
-
-    broken.engine.walk_fn = failing_walk  # the prefill's token streams, the first round fails
+@MODES
+def test_engine_failure_mid_stream_ends_with_an_error_chunk(demo_pair, batched):
+    broken = broken_llm(demo_pair, batched)  # the prefill's token streams, the first round fails
     app = create_app(broken, on_engine_death=lambda exc: None)
     with TestClient(app) as client:
         response = client.post("/v1/completions", json={**GOOD, "stream": True})
@@ -100,6 +109,8 @@ def test_api_key_guards_v1_only(llm):
 class CountingLLM:
     """A real LLM whose stream cancels the job right after step `cancel_at` and counts the steps the
     worker asks for, to show that nothing runs after the round in progress."""
+
+    max_num_seqs = 1  # one request at a time: the worker reads `stream`
 
     def __init__(self, llm: LLM, cancel_at: int):
         self.llm, self.cancel_at = llm, cancel_at
@@ -145,6 +156,65 @@ def test_cancelled_job_stops_within_one_round(llm):
     values = metric_values(metrics.render()[0].decode())
     assert metric(values, "vllm:request_success_total", finished_reason="abort") == 1
     assert metric(values, "vllm:generation_tokens_total") == sum(len(e.token_ids) for e in events) == 3
+
+
+class CountingBatch:
+    """A real batch (`LLM.batched`) that cancels its one job right after round `cancel_at` and
+    counts the rounds the worker asks for."""
+
+    def __init__(self, batch, cancel_at: int):
+        self.batch, self.cancel_at = batch, cancel_at
+        self.job: Job | None = None
+        self.rounds = 0
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+    def step(self):
+        events = self.batch.step()
+        self.rounds += 1
+        if self.rounds == self.cancel_at:
+            self.job.cancel()  # the client hangs up while this round runs
+        return events
+
+
+class BatchedCountingLLM:
+    def __init__(self, llm: LLM, cancel_at: int):
+        self.llm = llm
+        self.batch = CountingBatch(llm.batched(), cancel_at)
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def batched(self, max_nodes=None):
+        return self.batch
+
+
+def test_cancelled_batched_job_leaves_before_the_next_round(llm):
+    counting = BatchedCountingLLM(llm, cancel_at=2)
+    assert llm.max_num_seqs > 1
+    metrics = ServerMetrics("m")
+    worker = EngineWorker(metrics)
+    worker.attach(counting)
+
+    async def run():
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        job = Job(llm.prompt_ids("def f(x):"), params, AR, asyncio.get_running_loop())
+        counting.batch.job = job
+        worker.submit(job)
+        await asyncio.to_thread(worker.stop, 60)  # the thread ends once the job has stopped
+        await asyncio.sleep(0)
+        events = []
+        while not job.events.empty():
+            events.append(job.events.get_nowait())
+        return events
+
+    events = asyncio.run(run())
+    # The prefill's event, then the two rounds' events; the job left the batch before a third.
+    assert counting.batch.rounds == 2 and not counting.batch.running and counting.batch.free == llm.max_num_seqs
+    assert len(events) == 3 and all(e.result is None for e in events)
+    values = metric_values(metrics.render()[0].decode())
+    assert metric(values, "vllm:request_success_total", finished_reason="abort") == 1
 
 
 def test_request_defaults_follow_openai():

@@ -82,12 +82,14 @@ def test_bad_tree_budget_flag_fails_before_serving():
 # Runs `ddtree serve` with an engine whose rounds fail, as a GPU fault would make them.
 FAILING_ENGINE = """
 import sys
+import ddtree.batch_engine
 import ddtree.engine
 
-def failing_back(self, budget):
+def failing_back(self, *args):
     raise RuntimeError("device lost (injected by the test)")
 
-ddtree.engine.Engine._back = failing_back
+ddtree.engine.Engine._back = failing_back  # one request at a time
+ddtree.batch_engine.BatchEngine.step = failing_back  # batched (the CPU's default)
 from ddtree.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -129,12 +131,14 @@ def test_engine_failure_is_503_on_health_before_exit_1(demo_pair):
 HUNG_ENGINE = """
 import sys
 import time
+import ddtree.batch_engine
 import ddtree.engine
 
-def hung_back(self, budget):
+def hung_back(self, *args):
     time.sleep(3600)
 
-ddtree.engine.Engine._back = hung_back
+ddtree.engine.Engine._back = hung_back  # one request at a time
+ddtree.batch_engine.BatchEngine.step = hung_back  # batched (the CPU's default)
 from ddtree.cli import main
 sys.exit(main(sys.argv[1:]))
 """

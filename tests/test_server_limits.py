@@ -25,28 +25,52 @@ def llm(demo_pair):
 
 
 class GatedLLM:
-    """A real LLM whose streams wait at `gate` before their first step."""
+    """A real LLM whose requests wait at `gate` before their first step: one at a time (its
+    streams wait) or batched (a request joining the batch waits)."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, batched: bool):
         self.llm = llm
+        self.max_num_seqs = llm.max_num_seqs if batched else 1
         self.gate = threading.Event()
         self.started = threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.llm, name)
 
-    def stream(self, prompt, params, tree_budget=None):
+    def _wait(self):
         self.started.set()
         self.gate.wait(60)
+
+    def stream(self, prompt, params, tree_budget=None):
+        self._wait()
         yield from self.llm.stream(prompt, params, tree_budget)
+
+    def batched(self, max_nodes=None):
+        return GatedBatch(self.llm.batched(max_nodes), self._wait)
+
+
+class GatedBatch:
+    def __init__(self, batch, wait):
+        self.batch, self.wait = batch, wait
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+    def add(self, *args):
+        self.wait()
+        return self.batch.add(*args)
+
+
+MODES = pytest.mark.parametrize("batched", [False, True], ids=["one_at_a_time", "batched"])
 
 
 async def _asgi_client(app):
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
-def test_full_queue_is_429_with_retry_after(llm):
-    gated = GatedLLM(llm)
+@MODES
+def test_full_queue_is_429_with_retry_after(llm, batched):
+    gated = GatedLLM(llm, batched)
     app = create_app(gated, served_model_name="m", limits=ServerLimits(max_queued_requests=2))
 
     async def run():
@@ -67,8 +91,9 @@ def test_full_queue_is_429_with_retry_after(llm):
     app.state.worker.stop(30)
 
 
-def test_health_is_503_while_the_engine_makes_no_progress_with_work(llm):
-    gated = GatedLLM(llm)
+@MODES
+def test_health_is_503_while_the_engine_makes_no_progress_with_work(llm, batched):
+    gated = GatedLLM(llm, batched)
     app = create_app(gated, served_model_name="m", limits=ServerLimits(engine_stall_timeout=0.3))
 
     async def run():
@@ -92,8 +117,9 @@ def test_health_is_503_while_the_engine_makes_no_progress_with_work(llm):
     app.state.worker.stop(30)
 
 
-def test_shutdown_deadline_ends_running_and_queued_requests(llm):
-    gated = GatedLLM(llm)
+@MODES
+def test_shutdown_deadline_ends_running_and_queued_requests(llm, batched):
+    gated = GatedLLM(llm, batched)
     app = create_app(gated, served_model_name="m")
     worker = app.state.worker
 

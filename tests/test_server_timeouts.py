@@ -29,7 +29,8 @@ EXIT_SLACK = 0.25  # the test's own latency between signalling and seeing the ex
 def server(demo_pair):
     live = LiveServer(*demo_pair, "--read-timeout", str(READ_TIMEOUT), "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT),
                       "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
-                      api_key=None, max_model_len=512)
+                      # One request decodes at a time, so that the SIGTERM test has one waiting in the queue.
+                      "--max-num-seqs", "1", api_key=None, max_model_len=512)
     with live:
         yield live
 

@@ -126,8 +126,11 @@ class DFlashDrafter(nn.Module):
         return KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
 
     @torch.no_grad()
-    def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
-        """Cache keys/values of committed tokens. features: [M, len(taps) * H]; positions: [M] (= their slots)."""
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       slots: torch.Tensor | None = None) -> None:
+        """Cache keys/values of committed tokens. features: [M, len(taps) * H]; positions: [M];
+        slots: [M] where they go (None: their positions)."""
+        slots = positions if slots is None else slots
         ops = self.ops
         ctx = ops.rms_norm(F.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
@@ -135,13 +138,13 @@ class DFlashDrafter(nn.Module):
             kv_w, kv_b, k_norms = self.context_kv
             a = self.layers[0].self_attn
             k, v = ops.project_context_kv(ctx, kv_w, kv_b, k_norms, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
-            cache.write_layers(positions, k, v)
+            cache.write_layers(slots, k, v)
             return
         for layer in self.layers:
             a = layer.self_attn
             k, v = ops.project_kv(ctx, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
                                   a.k_norm.weight, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
-            cache.write(a.layer_idx, positions, k, v, 0)
+            cache.write(a.layer_idx, slots, k, v, 0)
 
     def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int) -> dict[str, AttentionMeta]:
         """Attention metadata for a block at positions context_len .. context_len + block - 1.
@@ -160,12 +163,13 @@ class DFlashDrafter(nn.Module):
             metas["sliding"] = AttentionMeta(positions, kv_len, sliding, ranges=sliding_ranges)
         return metas
 
-    def forward(self, noise_embedding: torch.Tensor, metas: dict[str, AttentionMeta], cache: KVCache) -> torch.Tensor:
-        """noise_embedding [b, H] at the positions `metas` give (its write slots) -> hidden [b, H].
+    def forward(self, noise_embedding: torch.Tensor, metas: dict[str, AttentionMeta], cache: KVCache,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """noise_embedding [b, H] at `positions` (None: the write slots `metas` give) -> hidden [b, H].
 
         Keys of the context positions before the block must already be cached.
         """
-        positions = metas["full"].write_slots
+        positions = metas["full"].write_slots if positions is None else positions
         cos, sin = self.rotary(positions, noise_embedding.dtype)
         h, delta = noise_embedding, None
         for layer in self.layers:

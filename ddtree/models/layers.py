@@ -79,6 +79,17 @@ class SwiGLU(nn.Module):
 
 
 @dataclass
+class RowSpan:
+    """One sequence of a packed forward (several sequences' tokens in one batch, `ddtree.batch`):
+    its tokens' rows in the batch, the first of its cache slots, and the attention meta it would
+    have alone (slots and key lengths counted from `first_slot`)."""
+
+    tokens: slice
+    first_slot: int
+    meta: "AttentionMeta"
+
+
+@dataclass
 class AttentionMeta:
     """What one forward needs to know about the cache, built once and shared by every layer.
 
@@ -91,6 +102,9 @@ class AttentionMeta:
       `tree_attention` reads this form directly; `mask` is made from it only where needed.
     - `mask` [N, kv_len] bool: True where query i may see key j (the drafter's sliding layers).
     - neither, with `causal`: plain causal attention from an empty cache (prefill).
+
+    A packed forward sets `rows` ([RowSpan]): `write_slots` and `kv_len` then cover every row's
+    slots, and each row attends to its own slots alone, with its own meta (`attend`).
 
     Recurrent layers (hybrid targets) read three more fields:
     - `parents` [N] long (a tree's parent index per node, -1 for the root; nodes in topological
@@ -113,6 +127,7 @@ class AttentionMeta:
     depths: torch.Tensor | None = None
     length: torch.Tensor | None = None
     scratch: object | None = None  # a hybrid target's per-round stash (`RecurrentScratch`)
+    rows: list[RowSpan] | None = None
     _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
 
     def dense_mask(self) -> torch.Tensor | None:
@@ -149,6 +164,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     heads that share a KV head are stacked along the query axis ([Hkv, group * N, D]) so that keys
     and values are read once per KV head, never copied, with the mask as an additive bias.
     """
+    if meta.rows is not None:  # a packed batch: each sequence against its own slots, as if alone
+        return torch.cat([attend(q[row.tokens], k[row.first_slot:row.first_slot + row.meta.kv_len],
+                                 v[row.first_slot:row.first_slot + row.meta.kv_len], row.meta, scale, make_bias)
+                          for row in meta.rows])
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

@@ -92,7 +92,7 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
     model_name = served_model_name or llm.target_name
     metrics = ServerMetrics(model_name)
     worker = EngineWorker(metrics, on_engine_death, max_queued=limits.max_queued_requests,
-                          max_cached_budgets=limits.max_cached_budgets)
+                          max_cached_budgets=limits.max_cached_budgets, max_tree_budget=limits.max_tree_budget)
     if llm is not None:
         worker.attach(llm, tree_budget_mode)
 

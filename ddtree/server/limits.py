@@ -24,6 +24,10 @@ class ServerLimits:
     max_output_tokens: int | None = None  # the most max_tokens a request may ask for (None: the context)
     max_stop: int = 16  # stop strings, and stop token ids, per request
     max_stop_chars: int = 256  # characters per stop string
+    # Requests decoded together, each round one packed forward (ddtree.batching); more wait in the
+    # queue. None: 8 on a CPU; 1 on CUDA, where the one-request engine's CUDA graphs are faster than
+    # the batched engine, which has none yet; always 1 for hybrid targets.
+    max_num_seqs: int | None = None
     # -- the request body ----------------------------------------------------------------------
     max_request_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 32  # nesting of objects and arrays

@@ -34,6 +34,9 @@ LIMIT_FLAGS = {
                              "server's own default is always allowed)"),
     "max_cached_budgets": (int, "tree budgets besides the default whose buffers and graphs stay allocated; "
                                 "the least recently used beyond it are freed"),
+    "max_num_seqs": (int, "requests decoded together, in one batch per round; more wait in the queue "
+                          "(default: 8 on a CPU, 1 on CUDA, whose CUDA graphs serve one request at a time, and "
+                          "always 1 for hybrid targets)"),
     "default_max_tokens": (int, "max_tokens of a chat request that names none (fewer when the context has less "
                                 "room; completions default to 16, as in OpenAI)"),
     "max_output_tokens": (int, "most max_tokens a request may ask for; more is answered 400 (default: the "
@@ -110,7 +113,7 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
 
     fixed = budget not in (None, "auto")
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              use_draft=not fixed or budget.drafts or args.draft is not None,
+              use_draft=not fixed or budget.drafts or args.draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None),
               **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
         from ddtree.bench.tune import resolve_auto_budgets

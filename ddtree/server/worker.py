@@ -1,9 +1,11 @@
-"""The engine thread: one `LLM`, one request at a time, requests in arrival order.
+"""The engine thread: one `LLM`, requests in arrival order, decoded one at a time or, with the LLM's
+max_num_seqs above 1, up to that many together (`ddtree.batching`: jobs join between rounds).
 
 HTTP handlers run on the asyncio loop; they hand a validated `Job` to `EngineWorker.submit` and read
 the job's events from an asyncio queue that the engine thread fills. A job whose client went away is
 cancelled: the thread checks the flag after every engine step and closes the `LLM.stream` generator,
-so a disconnected request costs at most the round in progress.
+so a disconnected request costs at most the round in progress (a batched one leaves the batch before
+the next round).
 
 Any unexpected exception from the engine marks it dead: the job gets `EngineFailure` (its client a
 500 without internal details, the log the traceback), every queued job "engine unavailable",
@@ -80,18 +82,19 @@ class Job:
 
 class EngineWorker:
     def __init__(self, metrics: ServerMetrics, on_death: Callable[[BaseException], None] | None = None,
-                 max_queued: int | None = None, max_cached_budgets: int | None = None):
+                 max_queued: int | None = None, max_cached_budgets: int | None = None,
+                 max_tree_budget: int | None = None):
         self.metrics = metrics
         self.on_death = on_death
         self.max_queued = max_queued
         self.max_cached_budgets = max_cached_budgets
+        self.max_tree_budget = max_tree_budget  # the largest tree a batched request may use
         self.llm = None
         self.state = LOADING
         self.error: str | None = None
         self.tree_budget_mode = "fixed"
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._running = 0
-        self._current: Job | None = None
+        self._active: list[Job] = []  # the jobs decoding now
         self._progress_at = time.monotonic()  # the engine's last step (or the start of its current job)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -155,8 +158,7 @@ class EngineWorker:
                 if job is not None:
                     ended.append(job)
             self._jobs.put(None)  # and the thread ends once the running job has stopped
-            if self._current is not None:
-                ended.append(self._current)
+            ended.extend(self._active)
         for job in ended:
             job.emit(EngineUnavailable(reason))
             job.cancel()
@@ -179,7 +181,7 @@ class EngineWorker:
             if self.max_queued is not None and self._jobs.qsize() >= self.max_queued:
                 raise QueueFull(f"{self._jobs.qsize()} requests are already waiting for the engine, the most this "
                                 "server queues (--max-queued-requests); retry shortly")
-            if self._jobs.empty() and self._current is None:
+            if self._jobs.empty() and not self._active:
                 self._progress_at = time.monotonic()  # an idle engine has not been stalling
             self._jobs.put(job)
         self._update_queue_gauges()
@@ -190,7 +192,7 @@ class EngineWorker:
 
     def stalled_for(self) -> float:
         """Seconds since the engine's last step while it has work; 0 when it has none."""
-        if self.state != READY or (self._current is None and self._jobs.empty()):
+        if self.state != READY or (not self._active and self._jobs.empty()):
             return 0.0
         return time.monotonic() - self._progress_at
 
@@ -202,7 +204,7 @@ class EngineWorker:
         return "the server is shutting down"
 
     def _update_queue_gauges(self) -> None:
-        self.metrics.set_queue(self._running, self._jobs.qsize())
+        self.metrics.set_queue(len(self._active), self._jobs.qsize())
 
     def _run(self) -> None:
         device = getattr(self.llm, "device", None)
@@ -210,67 +212,159 @@ class EngineWorker:
             import torch
 
             torch.cuda.set_device(device)  # this thread's kernels and graphs go to the model's GPU
+        if getattr(self.llm, "max_num_seqs", 1) > 1:
+            self._run_batched(self.llm.batched(self._max_nodes()))
+            return
         while True:
             job = self._jobs.get()
             if job is None:
                 break
-            if self.state == DEAD:
-                job.emit(EngineUnavailable(self.unavailable_reason()))
+            if not self._admit(job):
                 continue
-            if job.cancelled.is_set():
-                self.metrics.record_request(prompt_tokens=0, output_tokens=0, finish_reason="abort",
-                                            ttft_s=None, e2e_s=time.perf_counter() - job.arrival,
-                                            first_to_last_s=None)
-                continue
-            with self._lock:
-                self._current = job
-                self._progress_at = time.monotonic()
-            self._running = 1
-            self._update_queue_gauges()
+            self._start(job)
             try:
                 self._run_job(job)
             except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
                 job.emit(exc)
             except BaseException as exc:  # the engine itself failed
-                log.exception("engine failed while decoding request %s", job.request_id)
-                self._die(exc, job.request_id)  # first, so that /health already says so when the client hears
-                job.emit(EngineFailure(f"the engine failed while decoding request {job.request_id}"))
+                self._fail(exc, [job])
             finally:
-                with self._lock:
-                    self._current = None
-                    self._progress_at = time.monotonic()
-                self._running = 0
-                self._update_queue_gauges()
-                self._update_budget_gauge()
+                self._finish(job)
+
+    def _admit(self, job: Job) -> bool:
+        """Whether a job taken from the queue runs: not once the engine is dead (it is answered
+        503), nor when its client left while it waited."""
+        if self.state == DEAD:
+            job.emit(EngineUnavailable(self.unavailable_reason()))
+            return False
+        if job.cancelled.is_set():
+            self.metrics.record_request(prompt_tokens=0, output_tokens=0, finish_reason="abort", ttft_s=None,
+                                        e2e_s=time.perf_counter() - job.arrival, first_to_last_s=None)
+            return False
+        return True
+
+    def _start(self, job: Job) -> None:
+        with self._lock:
+            self._active.append(job)
+            self._progress_at = time.monotonic()
+        self._update_queue_gauges()
+
+    def _finish(self, job: Job) -> None:
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+            self._progress_at = time.monotonic()
+        self._update_queue_gauges()
+        self._update_budget_gauge()
+
+    def _fail(self, exc: BaseException, jobs: list[Job]) -> None:
+        """The engine failed while these jobs were decoding."""
+        ids = ", ".join(job.request_id for job in jobs)
+        log.exception("engine failed while decoding request %s", ids)
+        self._die(exc, ids)  # first, so that /health already says so when the clients hear
+        for job in jobs:
+            job.emit(EngineFailure(f"the engine failed while decoding request {job.request_id}"))
+
+    def _max_nodes(self) -> int:
+        """The largest tree a batched request may use: the largest budget a request may name, and
+        the server's own budgets."""
+        b = self.llm.block_size
+        budgets = [self.llm.default_budget, *(getattr(self.llm, "auto_budgets", None) or {}).values()]
+        selector = getattr(self.llm, "budget_selector", None)
+        if selector is not None:
+            budgets += list(selector.candidates)
+        if self.max_tree_budget is not None:
+            budgets.append(TreeShape.best(self.max_tree_budget))
+        return max(budget.nodes(b) for budget in budgets)
 
     def _run_job(self, job: Job) -> None:
         """Decode one job, emitting each StreamEvent; stop after the step in progress once cancelled."""
-        first_token_at = last_token_at = None
-        tokens = 0
-        acceptance_lengths: list[int] = []  # of the rounds seen, for a cancelled job's metrics
+        run = JobRun(job)
         stream = self.llm.stream(job.prompt_ids, job.params, job.budget)
         try:
             for event in stream:
                 self._progress_at = time.monotonic()
-                now = time.perf_counter()
-                if first_token_at is None:
-                    first_token_at = now
-                elif event.result is None:
-                    acceptance_lengths.append(len(event.token_ids))  # a round commits `a` tokens
-                if event.token_ids:
-                    last_token_at = now
-                tokens += len(event.token_ids)
-                if event.result is not None:  # metrics first, so a client that has its answer sees them
-                    self._record(job, event.result.stats.acceptance_lengths, len(event.result.token_ids),
-                                 event.result.finish_reason, first_token_at, last_token_at)
-                    job.emit(event)
+                if self._deliver(run, event):
                     return
-                job.emit(event)
                 if job.cancelled.is_set():
                     break
         finally:
             stream.close()
-        self._record(job, acceptance_lengths, tokens, "abort", first_token_at, last_token_at)
+        self._record_abort(run)
+
+    def _run_batched(self, batch) -> None:
+        """Up to `batch.max_rows` jobs decode together: queued jobs join between rounds (in arrival
+        order) while rows are free, each round's events go to their jobs, a finished job leaves in
+        the round that finishes it and a cancelled one before the next round."""
+        runs: dict[int, tuple[object, JobRun]] = {}  # id(BatchedRequest) -> (it, its job's figures)
+        stopping = False
+        while True:
+            while not stopping and batch.free:
+                try:
+                    job = self._jobs.get(block=not runs)  # wait for work only when nothing is decoding
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif self._admit(job):
+                    self._join(batch, job, runs)
+            if not runs:
+                if stopping:
+                    return
+                continue
+            try:
+                events = batch.step()
+            except BaseException as exc:  # the engine failed: its batch is not used again
+                self._fail(exc, [run.job for _, run in runs.values()])
+                for _, run in runs.values():
+                    self._finish(run.job)
+                runs.clear()
+                continue
+            self._progress_at = time.monotonic()
+            for request, event in events:
+                run = runs[id(request)][1]
+                if self._deliver(run, event):
+                    del runs[id(request)]
+                    self._finish(run.job)
+            for key, (request, run) in list(runs.items()):
+                if run.job.cancelled.is_set():
+                    batch.cancel(request)
+                    del runs[key]
+                    self._record_abort(run)
+                    self._finish(run.job)
+
+    def _join(self, batch, job: Job, runs: dict) -> None:
+        """Prefill `job` into the batch and send its first event."""
+        self._start(job)
+        run = JobRun(job)
+        try:
+            request, event = batch.add(job.prompt_ids, job.params, job.budget)
+        except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
+            job.emit(exc)
+            self._finish(job)
+            return
+        except BaseException as exc:
+            self._fail(exc, [job])
+            self._finish(job)
+            return
+        self._progress_at = time.monotonic()
+        if self._deliver(run, event):
+            self._finish(job)
+        else:
+            runs[id(request)] = (request, run)
+
+    def _deliver(self, run: "JobRun", event) -> bool:
+        """Send an event to its job -> whether it was the last (the job's metrics recorded first, so
+        that a client that has its answer sees them)."""
+        run.saw(event)
+        if event.result is not None:
+            self._record(run.job, event.result.stats.acceptance_lengths, len(event.result.token_ids),
+                         event.result.finish_reason, run.first_token_at, run.last_token_at)
+        run.job.emit(event)
+        return event.result is not None
+
+    def _record_abort(self, run: "JobRun") -> None:
+        self._record(run.job, run.acceptance_lengths, run.tokens, "abort", run.first_token_at, run.last_token_at)
 
     def _record(self, job: Job, acceptance_lengths: list[int], output_tokens: int, finish_reason: str,
                 first_token_at: float | None, last_token_at: float | None) -> None:
@@ -286,8 +380,6 @@ class EngineWorker:
             selector.observe(bucket_of(job.params.temperature).name, job.budget, output_tokens - 1, span,
                              len(job.prompt_ids))
             self.metrics.set_budget_estimates(selector.estimates())
-        self._running = 0
-        self._update_queue_gauges()
 
     def _update_budget_gauge(self) -> None:
         working_set = getattr(self.llm, "working_set", None)
@@ -320,3 +412,25 @@ class EngineWorker:
             self._jobs.put(None)
         if self.on_death is not None:
             self.on_death(exc)
+
+
+class JobRun:
+    """A job's figures as its events arrive: when its first and last tokens went out, how many
+    tokens, and each round's (for a cancelled job's metrics)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.tokens = 0
+        self.acceptance_lengths: list[int] = []
+
+    def saw(self, event) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif event.result is None:
+            self.acceptance_lengths.append(len(event.token_ids))  # a round commits `a` tokens
+        if event.token_ids:
+            self.last_token_at = now
+        self.tokens += len(event.token_ids)

@@ -1,0 +1,239 @@
+"""Many sequences decoded together: each round drafts every live sequence's block in one drafter
+pass and verifies every sequence's tree in one target forward.
+
+A sequence owns a row of the caches: slots [row * S, (row + 1) * S) of the target's and the
+drafter's KV caches, S = max_model_len + the largest tree + 1. Inside its row a sequence's slots
+equal its positions, so all that concerns one sequence (its tree, walk, commit and drafter
+context) is what `ddtree.engine.Engine` does for it alone, on that row. Only the forward passes
+are packed: the linear layers run once over every row's tokens, and each row's attention reads
+its own slots with the meta it would have alone (`layers.RowSpan`). Sequences join (`add`: the
+prompt's prefill) and leave (`remove`) between rounds; each keeps its own tree shape, sampling,
+seed and generator, so its tokens do not depend on which sequences share its rounds (the tests
+check them against the single-sequence engine in float32).
+
+This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
+state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
+sync per round reads every row's acceptance length, kept tokens and bonus together; requests
+that ask for log-probs add one more.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.config import MAX_TREE_BUDGET, SamplingParams
+from ddtree.engine import Step
+from ddtree.logprobs import as_token_logprobs, chosen_logprobs
+from ddtree.models.layers import AttentionMeta, RowSpan
+from ddtree.sampling import choose_tokens
+from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
+from ddtree.tree_shape import TreeShape
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's decoding state: its cache row, committed length `n` (tokens whose KV entries
+    are in place), the next root token (the last token emitted), its sampling and tree shape."""
+
+    row: int
+    first_slot: int
+    params: SamplingParams
+    budget: TreeShape
+    generator: torch.Generator | None
+    n: int = 0
+    root: int = 0
+
+
+class BatchEngine:
+    def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None):
+        """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
+        that of the largest tree budget)."""
+        if getattr(target.config, "hybrid", False):
+            raise ValueError("batched decoding serves dense targets; a hybrid target decodes one request at a time")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.target, self.drafter = target, drafter
+        self.max_model_len = max_model_len
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = drafter.config.block_size if drafter is not None else 0
+        self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
+        self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
+        self.row_slots = max_model_len + max(self.max_nodes, self.block_size) + 1
+        self.cache = target.new_cache(max_rows * self.row_slots, self.device, self.dtype)
+        self.draft_cache = None
+        self.draft_noise = None
+        if drafter is not None:
+            drafter.fuse_projections()
+            self.draft_cache = drafter.new_cache(max_rows * self.row_slots, self.device, self.dtype)
+            mask = torch.full((self.block_size,), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+            with torch.no_grad():  # the block's b - 1 mask tokens, which never change (as `Engine`)
+                self.draft_noise = target.embed_tokens(mask) * drafter.config.input_embedding_scale
+        self.walk_fn = walk  # the acceptance rule (as `Engine.walk_fn`: tests replace it)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.sequences: list[Sequence] = []
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    # -- joining and leaving -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape) -> tuple[Sequence, Step]:
+        """Prefill `prompt` into a free row -> (its sequence, the step of its first token)."""
+        if not self._free_rows:
+            raise RuntimeError("every row is in use; remove a sequence first")
+        if budget.drafts and self.drafter is None:
+            raise ValueError("tree budgets other than 'ar' need a drafter")
+        if budget.nodes(self.block_size) > self.max_nodes:
+            raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
+                             f"this engine holds at most {self.max_nodes}")
+        if not 0 < len(prompt) < self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context limit of {self.max_model_len}")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        row = self._free_rows.pop()
+        seq = Sequence(row, row * self.row_slots, params, budget, generator)
+        try:
+            logits = self._prefill(seq, prompt)
+            first = choose_tokens(logits, params, generator)[0]
+        except BaseException:
+            self._free_rows.append(row)
+            raise
+        seq.n, seq.root = len(prompt), int(first)  # host sync: the first token is needed now
+        self.sequences.append(seq)
+        logprobs = None
+        if params.logprobs is not None:
+            values = chosen_logprobs(logits, first.reshape(1), params.logprobs)
+            logprobs = as_token_logprobs([seq.root], *(t.tolist() for t in values))
+        return seq, Step([seq.root], 0, logprobs)
+
+    def remove(self, seq: Sequence) -> None:
+        """The sequence leaves; its row is free for the next `add` (its stale entries are never
+        read: a sequence reads only slots it has written)."""
+        self.sequences.remove(seq)
+        self._free_rows.append(seq.row)
+
+    def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
+        """The prompt's causal forward into the row -> logits [1, V] of its last token (float32);
+        the drafter's context too, for a sequence that drafts."""
+        p = len(prompt)
+        tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        positions = torch.arange(p, device=self.device)
+        alone = AttentionMeta(positions, p, None, causal=True)
+        meta = self._packed(positions + seq.first_slot, [(seq, slice(0, p), alone)])
+        taps = self.feature_layers if seq.budget.drafts else None
+        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=slice(p - 1, p))
+        if features is not None:
+            self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
+        return logits
+
+    @staticmethod
+    def _packed(write_slots: torch.Tensor, rows: list[tuple[Sequence, slice, AttentionMeta]]) -> AttentionMeta:
+        """The meta of a packed forward: every row's (sequence, its tokens' rows, its meta alone)."""
+        kv_len = max(seq.first_slot + alone.kv_len for seq, _, alone in rows)
+        return AttentionMeta(write_slots, kv_len, rows=[RowSpan(tokens, seq.first_slot, alone) for seq, tokens, alone in rows])
+
+    # -- a round -------------------------------------------------------------------------------
+
+    def _kv_len(self, seq: Sequence) -> int:
+        """Slots of its row a round of `seq` reads: its context, then its tree or block (as `Engine`)."""
+        needed = seq.n + max(seq.budget.nodes(self.block_size), self.block_size)
+        if needed > self.row_slots:
+            raise ValueError(f"a sequence of {seq.n} tokens has no room for a round of tree budget {seq.budget}")
+        return needed
+
+    def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """One drafter pass over every drafting sequence's block -> their draft logits [b - 1, V]."""
+        b = self.block_size
+        noise, positions, slots, metas = [], [], [], {}
+        for i, seq in enumerate(seqs):
+            root = torch.tensor([seq.root], device=self.device)
+            block = self.draft_noise.clone()
+            block[:1] = self.target.embed_tokens(root) * self.drafter.config.input_embedding_scale
+            noise.append(block)
+            n = torch.tensor(seq.n, device=self.device)
+            alone = self.drafter.block_metas(n, b, self._kv_len(seq))
+            for kind, meta in alone.items():
+                metas.setdefault(kind, []).append((seq, slice(i * b, (i + 1) * b), meta))
+            positions.append(alone["full"].write_slots)
+            slots.append(alone["full"].write_slots + seq.first_slot)
+        slots = torch.cat(slots)
+        packed = {kind: self._packed(slots, rows) for kind, rows in metas.items()}
+        hidden = self.drafter(torch.cat(noise), packed, self.draft_cache, positions=torch.cat(positions))
+        drafted = hidden.view(len(seqs), b, -1)[:, 1:].reshape(len(seqs) * (b - 1), -1)
+        return list(self.drafter.logits(drafted, self.target.lm_head).split(b - 1))
+
+    def _tree(self, seq: Sequence, draft_logits: torch.Tensor | None) -> Tree:
+        root = torch.tensor(seq.root, device=self.device)
+        if not seq.budget.drafts:
+            return single_node(root)
+        if not seq.budget.builds_tree:  # the chain: each depth's argmax
+            return build_chain(torch.argmax(draft_logits, dim=-1), root)
+        return build_tree(F.log_softmax(draft_logits, dim=-1), root, seq.budget.budget)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, Step]]:
+        """One round of every sequence: draft, build, verify (packed), then each sequence's choice,
+        walk and commit -> each sequence's Step, in `sequences` order."""
+        seqs = list(self.sequences)
+        if not seqs:
+            return []
+        drafting = [s for s in seqs if s.budget.drafts]
+        drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
+        trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
+
+        # The verify: every tree in one forward, each row seeing its context and its ancestors.
+        rows, start = [], 0
+        for seq, tree in zip(seqs, trees):
+            n = torch.tensor(seq.n, device=self.device)
+            slots = n + torch.arange(tree.size, device=self.device)
+            alone = AttentionMeta(slots, self._kv_len(seq), prefix_len=n, block_mask=tree.visible)
+            rows.append((seq, slice(start, start + tree.size), alone))
+            start += tree.size
+        write_slots = torch.cat([alone.write_slots + seq.first_slot for seq, _, alone in rows])
+        tokens = torch.cat([tree.tokens for tree in trees])
+        positions = torch.cat([tree.depths + seq.n for seq, tree in zip(seqs, trees)])
+        taps = self.feature_layers if drafting else None
+        logits, features = self.target(tokens, positions, self._packed(write_slots, rows), self.cache, taps)
+
+        summaries, kept_logprobs, context = [], {}, []
+        for (seq, span, _), tree in zip(rows, trees):
+            row_logits = logits[span]
+            choices = choose_tokens(row_logits, seq.params, seq.generator)
+            result = self.walk_fn(tree, choices)
+            keep = min(tree.size, self.block_size or 1)
+            kept = result.order[:keep]
+            self.cache.compact(seq.first_slot + seq.n, kept)
+            if seq.budget.drafts:  # the kept nodes' features become the drafter's context
+                positions = seq.n + torch.arange(keep, device=self.device)
+                context.append((features[span][kept], positions, positions + seq.first_slot))
+            summaries.append(torch.cat([result.length.reshape(1), tree.tokens[kept], result.bonus.reshape(1)]))
+            if seq.params.logprobs is not None:  # the target's log-probs of its choices at the kept nodes
+                kept_logprobs[id(seq)] = chosen_logprobs(row_logits[kept], choices[kept], seq.params.logprobs)
+        if context:
+            feats, positions, slots = (torch.cat(parts) for parts in zip(*context))
+            self.drafter.append_context(feats, positions, self.draft_cache, slots=slots)
+
+        # The round's one host sync: every row's acceptance length, kept tokens and bonus.
+        flat = torch.cat(summaries).tolist()
+        steps, at = [], 0
+        for seq, tree in zip(seqs, trees):
+            keep = min(tree.size, self.block_size or 1)
+            summary = flat[at:at + keep + 2]
+            at += keep + 2
+            a = summary[0]
+            emitted = summary[2:1 + a] + [summary[-1]]
+            seq.n += a
+            seq.root = summary[-1]
+            logprobs = None
+            if id(seq) in kept_logprobs:  # a second sync, for requests that ask for log-probs only
+                values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs[id(seq)])
+                logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
+            steps.append((seq, Step(emitted, a, logprobs)))
+        return steps
