@@ -75,7 +75,15 @@ def tree_gated_delta(q, k, v, g, beta, visible: torch.Tensor, state: torch.Tenso
 
 
 def path_decay(g: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """g [N, Hv] -> G [N, Hv] float32: each node's log-decay summed along its root path."""
+    """g [N, Hv] -> G [N, Hv] float32: each node's log-decay summed along its root path.
+
+    Eagerly a matrix product. Traced by torch.compile (the verify's glue, `hybrid.gdn_tree_inputs`),
+    a masked sum over the ancestors, which Inductor makes one small reduction kernel writing where
+    G goes; a float32 product is a cast of the mask, a GEMM without tensor cores and a split-K
+    reduction. Not eagerly: there the sum would materialise [N, N, Hv] (200 MB at N = 1025, Hv =
+    48). Both add the same terms (the others are exact zeros), in different orders."""
+    if torch.compiler.is_compiling():
+        return torch.where(visible[:, :, None], g.float()[None], 0.0).sum(1)
     return visible.float() @ g.float()
 
 

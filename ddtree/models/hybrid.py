@@ -12,8 +12,10 @@ Layer math, as transformers' `qwen3_5` (the tests' oracle):
 
 How a forward treats the recurrent layers depends on `AttentionMeta` (its docstring): a tree verify
 (`meta.parents` set) convolves each node over its own ancestors (then the committed conv window)
-and runs the tree form of the recurrence, writing no state; a sequence (prefill, `ar` step,
-commit) advances the state and the window.
+and runs the tree form of the recurrence, writing no state: the conv inputs are gathered inside
+the function that convolves them (`gdn_tree_inputs`, compiled into a few kernels on CUDA), which
+also writes the commit's stash; a sequence (prefill, `ar` step, commit) advances the state and the
+window.
 """
 from __future__ import annotations
 
@@ -85,15 +87,61 @@ def gated_output(attn, gate):
     return attn * torch.sigmoid(gate)
 
 
-def gdn_inputs(conv_in, a, b, conv_weight, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
-    """conv_in [T, K, C] (each row's K conv inputs, oldest first), a, b [T, Hv] -> the
-    recurrence's q, k [T, Hk, Dk] (float32, normalised), v [T, Hv, Dv], g, beta [T, Hv]."""
-    t = conv_in.shape[0]
-    mixed = (conv_in.float() * conv_weight.float().t()[None]).sum(1).to(conv_in.dtype)
-    q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
+def conv_silu(taps, weight):
+    """taps: the K conv inputs of every row, oldest first, as K tensors [T, C]; weight [C, K] -> the
+    causal depthwise conv, summed in float32 tap by tap, rounded to the taps' dtype, then SiLU [T, C]."""
+    w = weight.float()
+    acc = taps[0].float() * w[:, 0]
+    for j in range(1, len(taps)):
+        acc = acc + taps[j].float() * w[:, j]
+    return F.silu(acc.to(taps[0].dtype))
+
+
+def recurrence_inputs(mixed, a, b, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
+    """mixed [T, C] (after the conv and SiLU), a, b [T, Hv] -> q, k [T, Hk, Dk] (float32,
+    normalised), v [T, Hv, Dv], g, beta [T, Hv]."""
+    t = mixed.shape[0]
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k = gdn.normalize_qk(q.reshape(t, hk, dk), k.reshape(t, hk, dk))
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return q, k, v.reshape(t, hv, dv), g, b.sigmoid().float()
+
+
+def gdn_inputs(conv_in, a, b, conv_weight, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
+    """A sequence's recurrence inputs: conv_in [T, K, C] (each row's K conv inputs, oldest first),
+    a, b [T, Hv] -> q, k [T, Hk, Dk] (float32, normalised), v [T, Hv, Dv], g, beta [T, Hv]."""
+    mixed = conv_silu(conv_in.unbind(1), conv_weight)
+    return recurrence_inputs(mixed, a, b, A_log, dt_bias, hk, dk, hv, dv)
+
+
+def tree_conv_taps(window, mixed, ancestors) -> list[torch.Tensor]:
+    """A tree's conv inputs as K taps [N, C], oldest first: tap j gathers, per node, the row
+    `ancestors` [N, K] (`conv_ancestors`) names in [window (K - 1 rows); mixed (N rows)], by two
+    selected gathers rather than a concatenation, so that compiled they are loads of the kernel
+    that convolves; the last tap is each node itself, which is mixed as it is."""
+    k1 = window.shape[0]
+    taps = []
+    for j in range(k1):
+        row = ancestors[:, j]
+        node = row - k1  # < 0: the window's row `row`
+        taps.append(torch.where((node >= 0)[:, None], mixed[node.clamp(min=0)], window[row.clamp(max=k1 - 1)]))
+    return taps + [mixed]
+
+
+def gdn_tree_inputs(window, mixed, ancestors, visible, a, b, conv_weight, A_log, dt_bias, mixed_out, k_out, G_out,
+                    hk: int, dk: int, hv: int, dv: int):
+    """A tree's recurrence inputs, gathered, convolved and normalised in one function (compiled, a
+    few fused kernels, nothing [N, K, C] in memory). window [K - 1, C] (the committed conv
+    inputs), mixed [N, C], ancestors [N, K] (`conv_ancestors`), visible [N, N] bool, a, b [N, Hv]
+    -> q [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv]. The commit's stash is written here, in
+    place: mixed_out [N, C] <- mixed; k_out [N, Hk, Dk] float32 <- the normalised keys (the
+    recurrence reads them there); G_out [N, Hv] float32 <- `gated_deltanet.path_decay`."""
+    conv = conv_silu(tree_conv_taps(window, mixed, ancestors), conv_weight)
+    q, k, v, g, beta = recurrence_inputs(conv, a, b, A_log, dt_bias, hk, dk, hv, dv)
+    mixed_out.copy_(mixed)
+    k_out.copy_(k)
+    G_out.copy_(gdn.path_decay(g, visible))
+    return q, v, g, beta
 
 
 def gdn_output(o, z, norm_w, eps: float, hv: int, dv: int):
@@ -111,7 +159,8 @@ class HybridOps:
     """The elementwise glue of the hybrid layers: eager, or each function compiled once for all
     layers (CUDA), as `fused.LayerOps` does for dense targets."""
 
-    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_output", "swiglu")
+    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_tree_inputs", "gdn_output",
+             "swiglu")
 
     def __init__(self, compiled: bool):
         for name in self.NAMES:
@@ -225,11 +274,10 @@ class GatedDeltaNet(nn.Module):
         n, index, scratch = mixed.shape[0], self.linear_index, meta.scratch
         if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
             meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
-        conv_in = torch.cat([window, mixed], dim=0)[meta._shared["conv_ancestors"]]  # [N, K, C]
-        q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
-        scratch.mixed[index, :n].copy_(mixed)
-        scratch.k[index, :n].copy_(k)
-        scratch.G[index, :n] = gdn.path_decay(g, meta.block_mask)
+        k = scratch.k[index, :n]  # the normalised keys go straight to the commit's stash; read from there
+        q, v, g, beta = ops.gdn_tree_inputs(window, mixed, meta._shared["conv_ancestors"], meta.block_mask, a, b,
+                                            self.conv_weight, self.A_log, self.dt_bias, scratch.mixed[index, :n], k,
+                                            scratch.G[index, :n], self.hk, self.dk, self.hv, self.dv)
         u_out = scratch.u[index, :, :n]
         if _use_kernels(q, k, v, state):
             return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out)
