@@ -1,8 +1,9 @@
-"""Tilings of `ddtree.kernels.tree_attention` at Qwen3-8B's head layout (32 query / 8 KV heads,
-head_dim 128, bf16), against PyTorch's masked attention, for the token counts of a round.
+"""Tilings of `ddtree.kernels.tree_attention` at a head layout (default Qwen3-8B's: 32 query / 8 KV
+heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch's masked
+attention, for the token counts of a round.
 
     python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|combine]
-        [--output FILE.json]
+        [--heads HQ,HKV,D] [--context 512] [--output FILE.json]
 
 For each N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block is 16) over a
 512-token context plus the tree, with the KV length rounded up to the engine's 256-slot bucket:
@@ -65,15 +66,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
     ap.add_argument("--sweep", choices=("tilings", "combine"), default="tilings")
+    ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="cached tokens before the tree")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.sweep == "tilings":
         configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
-                   for m, bn, p, w, st in itertools.product((0, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
+                   for m, bn, p, w, st in itertools.product((0, 32, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
     else:
         configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
                    for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
     rows = []
+    global HQ, HKV, D, CONTEXT
+    HQ, HKV, D = (int(x) for x in args.heads.split(","))
+    CONTEXT = args.context
     for n in map(int, args.tokens.split(",")):
         q, k, v, mask = case(n)
         ranges = key_range(mask)
@@ -89,7 +95,7 @@ def main() -> None:
         rows.append(row)
         print(f"N={n:5d} kv {k.shape[0]:5d}  sdpa {row['sdpa_us']:7.1f} us  default {row['default_us']:7.1f} us  "
               f"best {best['us']:7.1f} us {best}", flush=True)
-    result = {"benchmark": "attention_configs", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"benchmark": "attention_configs", "heads": [HQ, HKV, D], "context": CONTEXT, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "git_revision": git_revision(), "default": DEFAULT.__dict__, "rows": rows}
     out = results_path(args.output, "attention_configs")
     out.write_text(json.dumps(result, indent=2))
