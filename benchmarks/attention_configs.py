@@ -63,6 +63,7 @@ def sdpa_us(q, k, v, mask) -> float:
 
 
 def main() -> None:
+    global HQ, HKV, D, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
     ap.add_argument("--sweep", choices=("tilings", "combine"), default="tilings")
@@ -77,7 +78,6 @@ def main() -> None:
         configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
                    for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
     rows = []
-    global HQ, HKV, D, CONTEXT
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
     CONTEXT = args.context
     for n in map(int, args.tokens.split(",")):
@@ -88,8 +88,12 @@ def main() -> None:
         for cfg in configs:
             if cfg.block_m == 128 and n * (HQ // HKV) <= 64:
                 continue
-            row["configs"].append({**cfg.__dict__, "us": call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges,
-                                                                                          config=cfg))})
+            try:
+                us = call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges, config=cfg))
+            except Exception as exc:  # a tiling too large for this head_dim (shared memory, registers)
+                row.setdefault("failed", []).append({**cfg.__dict__, "error": str(exc)[:120]})
+                continue
+            row["configs"].append({**cfg.__dict__, "us": us})
         best = min(row["configs"], key=lambda c: c["us"])
         row["best"] = best
         rows.append(row)
