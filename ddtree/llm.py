@@ -126,7 +126,8 @@ def default_device() -> str:
 
 
 class LLM:
-    """A target + drafter pair loaded once; one request decodes at a time (not thread-safe)."""
+    """A target + drafter pair loaded once. `stream` decodes one request; `generate` with several
+    prompts decodes up to max_num_seqs of them together (`batched`). Not thread-safe."""
 
     def __init__(
         self,
