@@ -17,8 +17,16 @@ import pytest
 from server_process import LiveServer, free_port, metric, metric_values, quiet_env
 
 
-def test_sigterm_drains_in_flight_and_queued_requests_then_exits_0(demo_pair):
-    server = LiveServer(*demo_pair, max_model_len=320).wait_ready()
+# One at a time the second request waits in the queue; batched it joins the first's batch. Either
+# way SIGTERM lets both finish. (Batched, a short second request could finish before it is seen
+# running, so it asks for more tokens.)
+DRAIN_MODES = pytest.mark.parametrize("max_num_seqs, seen, second_tokens", [
+    (1, ("vllm:num_requests_waiting", 1), 5), (8, ("vllm:num_requests_running", 2), 40)], ids=["queued", "batched"])
+
+
+@DRAIN_MODES
+def test_sigterm_drains_in_flight_and_queued_requests_then_exits_0(demo_pair, max_num_seqs, seen, second_tokens):
+    server = LiveServer(*demo_pair, "--max-num-seqs", str(max_num_seqs), max_model_len=320).wait_ready()
     try:
         http = server.client()
         streamed: dict = {"lines": [], "first": threading.Event()}
@@ -35,8 +43,8 @@ def test_sigterm_drains_in_flight_and_queued_requests_then_exits_0(demo_pair):
 
         def wait_in_queue():
             with server.client() as client:
-                queued["response"] = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5,
-                                                                          "ignore_eos": True})
+                queued["response"] = client.post("/v1/completions", json={"prompt": "x", "max_tokens": second_tokens,
+                                                                          "ignore_eos": True, "tree_budget": "ar"})
 
         streaming = threading.Thread(target=stream)
         streaming.start()
@@ -44,8 +52,8 @@ def test_sigterm_drains_in_flight_and_queued_requests_then_exits_0(demo_pair):
         waiting = threading.Thread(target=wait_in_queue)
         waiting.start()
         deadline = time.monotonic() + 30
-        while metric(metric_values(http.get("/metrics").text), "vllm:num_requests_waiting") < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
+        while metric(metric_values(http.get("/metrics").text), seen[0]) < seen[1]:
+            assert time.monotonic() < deadline, f"the second request never showed in {seen[0]}"
             time.sleep(0.02)
         server.proc.send_signal(signal.SIGTERM)
         streaming.join(120)
@@ -57,7 +65,7 @@ def test_sigterm_drains_in_flight_and_queued_requests_then_exits_0(demo_pair):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert chunks[-1]["ddtree"]["decode_rounds"] == 299
         assert queued["response"].status_code == 200
-        assert queued["response"].json()["usage"]["completion_tokens"] == 5
+        assert queued["response"].json()["usage"]["completion_tokens"] == second_tokens
         with pytest.raises(httpx.TransportError):
             httpx.get(server.url + "/health", timeout=5)
     finally:
