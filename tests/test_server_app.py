@@ -132,16 +132,17 @@ class CountingLLM:
             self.closed = True
 
 
-def test_cancelled_job_stops_within_one_round(llm):
-    counting = CountingLLM(llm, cancel_at=3)
+def run_cancelled_job(llm, wrapped, watcher) -> tuple[list, ServerMetrics]:
+    """One 60-token job through a worker serving `wrapped`; `watcher.job` is set to it, so that the
+    watcher can cancel it. -> the job's events and the worker's metrics, once the worker stopped."""
     metrics = ServerMetrics("m")
     worker = EngineWorker(metrics)
-    worker.attach(counting)
+    worker.attach(wrapped)
 
     async def run():
         params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
         job = Job(llm.prompt_ids("def f(x):"), params, AR, asyncio.get_running_loop())
-        counting.job = job
+        watcher.job = job
         worker.submit(job)
         await asyncio.to_thread(worker.stop, 60)  # the thread ends once the job has stopped
         await asyncio.sleep(0)  # deliver the events it scheduled on this loop
@@ -150,7 +151,12 @@ def test_cancelled_job_stops_within_one_round(llm):
             events.append(job.events.get_nowait())
         return events
 
-    events = asyncio.run(run())
+    return asyncio.run(run()), metrics
+
+
+def test_cancelled_job_stops_within_one_round(llm):
+    counting = CountingLLM(llm, cancel_at=3)
+    events, metrics = run_cancelled_job(llm, counting, counting)
     assert counting.steps == 3 and counting.closed
     assert len(events) == 3 and all(e.result is None for e in events)
     values = metric_values(metrics.render()[0].decode())
@@ -193,23 +199,7 @@ class BatchedCountingLLM:
 def test_cancelled_batched_job_leaves_before_the_next_round(llm):
     counting = BatchedCountingLLM(llm, cancel_at=2)
     assert llm.max_num_seqs > 1
-    metrics = ServerMetrics("m")
-    worker = EngineWorker(metrics)
-    worker.attach(counting)
-
-    async def run():
-        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-        job = Job(llm.prompt_ids("def f(x):"), params, AR, asyncio.get_running_loop())
-        counting.batch.job = job
-        worker.submit(job)
-        await asyncio.to_thread(worker.stop, 60)  # the thread ends once the job has stopped
-        await asyncio.sleep(0)
-        events = []
-        while not job.events.empty():
-            events.append(job.events.get_nowait())
-        return events
-
-    events = asyncio.run(run())
+    events, metrics = run_cancelled_job(llm, counting, counting.batch)
     # The prefill's event, then the two rounds' events; the job left the batch before a third.
     assert counting.batch.rounds == 2 and not counting.batch.running and counting.batch.free == llm.max_num_seqs
     assert len(events) == 3 and all(e.result is None for e in events)
