@@ -1,0 +1,28 @@
+"""benchmarks/batch_budgets.py at a tiny scale on the CPU: every (budget, rows) cell is written, and a
+budget's acceptance is the same one request at a time and batched (each request decodes the same
+tokens with the same trees, whoever shares its rounds)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from server_process import quiet_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_batch_budgets_writes_every_cell(tmp_path):
+    out = tmp_path / "cells.json"
+    cmd = [sys.executable, "-m", "benchmarks.batch_budgets", str(out), "--budgets", "ar,16", "--rows", "1,3",
+           "--temperatures", "0,1", "--max-tokens", "8"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    cells = {(c["temperature"], c["tree_budget"], c["rows"]): c for c in result["cells"]}
+    assert set(cells) == {(t, b, r) for t in (0.0, 1.0) for b in ("ar", "16") for r in (1, 3)}
+    assert all(c["tokens_per_second"] > 0 for c in cells.values())
+    for (t, b, r), cell in cells.items():
+        assert cell["mean_acceptance_length"] == cells[(t, b, 1)]["mean_acceptance_length"]
+    assert cells[(0.0, "ar", 3)]["mean_acceptance_length"] == 1.0 < cells[(0.0, "16", 3)]["mean_acceptance_length"]
