@@ -38,6 +38,7 @@ def test_health_is_503_while_loading_then_200(llm):
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["tree_budget"] == str(llm.default_budget)
         assert health["max_model_len"] == 96 and health["tree_budget_mode"] == "fixed"
+        assert health["max_num_seqs"] == llm.max_num_seqs == 8  # a CPU's default: batched
         out = client.post("/v1/completions", json={**GOOD, "model": "late"})
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
 
