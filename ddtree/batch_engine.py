@@ -209,7 +209,8 @@ class BatchEngine:
             result = self.walk_fn(tree, choices)
             keep = min(tree.size, self.block_size or 1)
             kept = result.order[:keep]
-            self.cache.compact(seq.first_slot + seq.n, kept)
+            if tree.size > 1:  # one node's entries are already in place at slot n
+                self.cache.compact(seq.first_slot + seq.n, kept)
             if seq.budget.drafts:  # the kept nodes' features become the drafter's context
                 positions = seq.n + torch.arange(keep, device=self.device)
                 context.append((features[span][kept], positions, positions + seq.first_slot))

@@ -350,17 +350,16 @@ class LLM:
         else:
             per_prompt = [params] * len(prompts)
         per_prompt = [p or SamplingParams() for p in per_prompt]
-        ids = []
+        ids, budgets = [], []  # each prompt's budget chosen once, as it is checked
         for index, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             try:
                 ids.append(self.prompt_ids(prompt))
-                self.check_request(ids[-1], p, tree_budget)
+                budgets.append(self.check_request(ids[-1], p, tree_budget))
             except DDTreeError as exc:
                 raise DDTreeError(f"prompt {index}: {exc}", exc.param) from None
         if self.max_num_seqs > 1 and len(ids) > 1:
-            budgets = [self._budget(tree_budget, p.temperature, len(i)) for i, p in zip(ids, per_prompt)]
             return self._generate_batched(ids, per_prompt, budgets)
-        return [self._generate_one(i, p, tree_budget) for i, p in zip(ids, per_prompt)]
+        return [self._generate_one(i, p, b) for i, p, b in zip(ids, per_prompt, budgets)]
 
     def batched(self, max_nodes: int | None = None):
         """The `ddtree.batching.BatchedRequests` of this LLM: up to max_num_seqs requests decoded
