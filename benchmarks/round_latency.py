@@ -124,7 +124,7 @@ def write_result(args, rows, ceilings, engine, drafter, prompt_lens):
         "ceilings": ceilings,
         "capture_seconds": engine.capture_seconds,
         "shape": (f"{args.shape} target (random bf16), {drafter.config.num_hidden_layers}-layer DFlash drafter, block 16; "
-                  "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs"),
+                  "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs, target and drafter"),
         "prompt_lens": prompt_lens,
         "rows": rows,
     }
@@ -158,6 +158,16 @@ def main() -> None:
     kv_token_bytes = 2 * attn_layers * tcfg.num_key_value_heads * tcfg.head_dim * 2
     # A hybrid's recurrent state is read by every verify and rewritten by every commit (float32).
     state_bytes = 2 * target.new_cache(1, "meta", torch.bfloat16).recurrent.state.numel() * 4 if tcfg.hybrid else 0
+    dcfg = drafter.config
+
+    def drafter_attention(context: int) -> tuple[float, float]:
+        """(KV bytes read, attention FLOPs) of the drafter's block of 16 over `context` keys: its
+        sliding layers read only their window."""
+        seen = [min(context, dcfg.sliding_window or context) if kind == "sliding_attention" else context
+                for kind in dcfg.layer_types]
+        kv = sum(2 * dcfg.num_key_value_heads * dcfg.head_dim * 2 * s for s in seen)
+        return kv, sum(4 * 16 * s * dcfg.head_dim * dcfg.num_attention_heads for s in seen)
+
     rows = []
     for prompt_len, label in [(p, b) for p in prompt_lens for b in args.budgets.split(",")]:
         prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
@@ -177,7 +187,8 @@ def main() -> None:
         attn_flops = 4 * size * context * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
         target_floor = forward_floor(tparams, size, kv_token_bytes * context + state_bytes, ceilings,
                                      extra_flops=attn_flops)
-        draft_floor = forward_floor(dparams, 16, 0, ceilings) if budget.drafts else 0.0
+        draft_kv, draft_attn = drafter_attention(context + 16)
+        draft_floor = forward_floor(dparams, 16, draft_kv, ceilings, extra_flops=draft_attn) if budget.drafts else 0.0
         floor_ms = (target_floor + draft_floor) * 1000
         median = statistics.median(times[4:])
         rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,
