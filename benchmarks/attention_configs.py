@@ -2,15 +2,18 @@
 heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch's masked
 attention, for the token counts of a round.
 
-    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|combine]
-        [--heads HQ,HKV,D] [--context 512] [--output FILE.json]
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|combine|none]
+        [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--output FILE.json]
 
-For each N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block is 16) over a
-512-token context plus the tree, with the KV length rounded up to the engine's 256-slot bucket:
-microseconds per call (CUDA-graph replay of 10 calls) of every tiling, of the default one, and
-of `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
-replaced). Prints the fastest tiling per N. `--sweep tilings` (the default) tries 48 tilings;
-`--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
+For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
+is 16) over the context plus the tree, with the KV length rounded up to the engine's 256-slot
+bucket, in the engine's form (prefix length + the tree's block mask): microseconds per call
+(CUDA-graph replay of 10 calls) of every tiling, of the default one, and of
+`F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
+replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
+bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default) tries 48 tilings;
+`--sweep long` the
+DEFAULT and LONG tilings (where LONG starts to pay); `--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
 at 1, 2 and 4 programs per SM, loading 8192 or 32768 partial-sum elements at once.
 """
 from __future__ import annotations
@@ -18,14 +21,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import DEFAULT, AttentionConfig, key_range, masked_attention
+from ddtree.kernels.tree_attention import DEFAULT, LONG, AttentionConfig, masked_attention, prefix_block_mask
 from ddtree.tree import build_tree
 
 CONTEXT, BUCKET, HQ, HKV, D = 512, 256, 32, 8, 128
@@ -37,21 +42,28 @@ def call_us(fn) -> float:
 
 
 def case(n: int):
+    """q [N, Hq, D], k, v [kv_len, Hkv, D], the tree's block mask [N, N] and the prefix length."""
     kv_len = -(-(CONTEXT + n) // BUCKET) * BUCKET
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(n, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     cache = torch.randn(2, kv_len, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     logp = torch.log_softmax(torch.randn(15, 1000, device="cuda", generator=gen), dim=-1)
     tree = build_tree(logp, torch.tensor(1, device="cuda"), n - 1) if n > 1 else None
-    mask = torch.zeros(n, kv_len, dtype=torch.bool, device="cuda")
-    mask[:, :CONTEXT] = True
-    mask[:, CONTEXT:CONTEXT + n] = tree.visible if tree is not None else True
-    return q, cache[0], cache[1], mask
+    block = tree.visible if tree is not None else torch.ones(1, 1, dtype=torch.bool, device="cuda")
+    return q, cache[0], cache[1], block, torch.tensor(CONTEXT, device="cuda")
 
 
-def sdpa_us(q, k, v, mask) -> float:
+def floor_us(n: int, kv_len: int, ceilings: dict) -> float:
+    """KV read once (bytes / bandwidth) or the q.k and p.v FLOPs at the matmul rate, the larger."""
+    kv_bytes = 2 * kv_len * HKV * D * 2
+    flops = 4 * n * (CONTEXT + n) * D * HQ
+    return max(kv_bytes / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"]) * 1e6
+
+
+def sdpa_us(q, k, v, block, prefix) -> float:
     n = q.shape[0]
     group = HQ // HKV
+    mask = prefix_block_mask(prefix, block, k.shape[0])
     bias = torch.zeros(mask.shape, dtype=q.dtype, device="cuda").masked_fill(~mask, float("-inf")).repeat(group, 1)
 
     def fn():
@@ -66,41 +78,51 @@ def main() -> None:
     global HQ, HKV, D, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
-    ap.add_argument("--sweep", choices=("tilings", "combine"), default="tilings")
+    ap.add_argument("--sweep", choices=("tilings", "combine", "long", "none"), default="tilings")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
-    ap.add_argument("--context", type=int, default=CONTEXT, help="cached tokens before the tree")
+    ap.add_argument("--context", default=str(CONTEXT), help="cached tokens before the tree, comma-separated")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.sweep == "tilings":
         configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
-                   for m, bn, p, w, st in itertools.product((0, 32, 128), (32, 64), (2, 4, 8), (4, 8), (2, 3))]
-    else:
+                   for m, bn, p, w, st in itertools.product((0, 64, 128), (64, 128), (1, 2, 4), (4, 8), (2, 3))]
+    elif args.sweep == "combine":
         configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
                    for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
+    elif args.sweep == "long":  # where the LONG tiling starts to pay
+        configs = [DEFAULT] + [replace(LONG, programs_per_sm=p) for p in (1, 2, 4)]
+    else:
+        configs = []
     rows = []
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
-    CONTEXT = args.context
-    for n in map(int, args.tokens.split(",")):
-        q, k, v, mask = case(n)
-        ranges = key_range(mask)
-        row = {"tokens": n, "kv_len": k.shape[0], "sdpa_us": sdpa_us(q, k, v, mask),
-               "default_us": call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges)), "configs": []}
+    ceilings = measure_ceilings(torch.device("cuda"))
+    for CONTEXT, n in itertools.product(map(int, args.context.split(",")), map(int, args.tokens.split(","))):
+        q, k, v, block, prefix = case(n)
+        row = {"context": CONTEXT, "tokens": n, "kv_len": k.shape[0], "floor_us": floor_us(n, k.shape[0], ceilings),
+               "sdpa_us": None if args.no_sdpa else sdpa_us(q, k, v, block, prefix),
+               "default_us": call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix)),
+               "configs": []}
         for cfg in configs:
             if cfg.block_m == 128 and n * (HQ // HKV) <= 64:
                 continue
             try:
-                us = call_us(lambda: masked_attention(q, k, v, mask, D**-0.5, ranges, config=cfg))
+                us = call_us(lambda: masked_attention(q, k, v, block, D**-0.5, config=cfg, prefix_len=prefix))
             except Exception as exc:  # a tiling too large for this head_dim (shared memory, registers)
                 row.setdefault("failed", []).append({**cfg.__dict__, "error": str(exc)[:120]})
                 continue
             row["configs"].append({**cfg.__dict__, "us": us})
-        best = min(row["configs"], key=lambda c: c["us"])
+        best = min(row["configs"], key=lambda c: c["us"]) if row["configs"] else None
         row["best"] = best
         rows.append(row)
-        print(f"N={n:5d} kv {k.shape[0]:5d}  sdpa {row['sdpa_us']:7.1f} us  default {row['default_us']:7.1f} us  "
-              f"best {best['us']:7.1f} us {best}", flush=True)
-    result = {"benchmark": "attention_configs", "heads": [HQ, HKV, D], "context": CONTEXT, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "git_revision": git_revision(), "default": DEFAULT.__dict__, "rows": rows}
+        sdpa = "-" if row["sdpa_us"] is None else f"{row['sdpa_us']:.1f}"
+        print(f"ctx {CONTEXT:6d} N={n:5d} kv {k.shape[0]:6d}  floor {row['floor_us']:8.1f} us  sdpa {sdpa} us  "
+              f"default {row['default_us']:8.1f} us (x{row['default_us'] / row['floor_us']:.2f})"
+              + (f"  best {best['us']:8.1f} us {best}" if best else ""), flush=True)
+    result = {"benchmark": "attention_configs", "command": "python benchmarks/attention_configs.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+              "heads": [HQ, HKV, D], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "ceilings": ceilings, "git_revision": git_revision(), "default": DEFAULT.__dict__, "rows": rows}
     out = results_path(args.output, "attention_configs")
     out.write_text(json.dumps(result, indent=2))
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
 from ddtree.kernels.tree_attention import (  # noqa: E402
-    AttentionConfig, key_range, masked_attention, plan, prefix_block_mask)
+    DEFAULT, LONG, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -84,7 +84,8 @@ def test_prefix_form_equals_dense_mask(n, hq, hkv, d, context, kv_len, splits, b
     assert dense[:, :context].all() and not dense[:, context + n:].any()
     assert torch.equal(dense[:, context:context + n], blk)
     got = masked_attention(q, k, v, blk, d**-0.5, splits=splits, prefix_len=prefix)
-    assert torch.equal(got, masked_attention(q, k, v, dense, d**-0.5, splits=splits))
+    # the prefix's unmasked loop may contract its arithmetic differently (FMA) when compiled
+    torch.testing.assert_close(got, masked_attention(q, k, v, dense, d**-0.5, splits=splits), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got.double(), reference(q, k, v, dense, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
@@ -139,6 +140,26 @@ def test_plan_fills_the_gpu_with_splits():
     assert block_m == 64 and splits == 2
 
 
+def test_tiling_by_shape():
+    assert tiling(rows=4, kv_len=131072, head_dim=128) is DEFAULT  # one query: bandwidth-bound
+    assert tiling(rows=260, kv_len=1024, head_dim=128) is DEFAULT  # a short context
+    assert tiling(rows=260, kv_len=32768, head_dim=256) is DEFAULT  # LONG's tiles do not fit
+    assert [tiling(rows, 32768, 128).programs_per_sm for rows in (68, 260, 1028)] == [1, 2, 4]
+    assert tiling(rows=1028, kv_len=32768, head_dim=128).block_m == LONG.block_m
+
+
+@pytest.mark.parametrize("n,context", [(17, 4200), (40, 4500)])
+def test_long_tiling_equals_reference(n, context):
+    """The LONG tiling (chosen by shape past LONG_KV_MIN keys) in Triton's interpreter."""
+    kv_len = context + n + 7
+    q, k, v = inputs(n, 8, 2, 16, kv_len, torch.float32, seed=n)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    assert tiling(n * 4, kv_len, 16).block_m == LONG.block_m
+    got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), 0.25,
+                           prefix_len=torch.tensor(context, device=DEVICE))
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.25).to(got.device), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("n", [1, 17, 65, 129, 257, 1025])
@@ -165,3 +186,22 @@ def test_long_context_many_splits_bf16():
     mask = torch.ones(1, kv_len, dtype=torch.bool, device=DEVICE)
     got = masked_attention(q, k, v, mask, 128**-0.5)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, 128**-0.5), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("context,n", [(32768, 65), (32768, 257), (131072, 17), (131072, 65)])
+def test_long_context_tree_bf16_and_graph(context, n):
+    """A tree's verify over a long cached context in the engine's form (prefix length + block
+    mask): the prefix's key blocks go through the unmasked loop, the tree's through the masked one;
+    equal to float64 attention, and a CUDA-graph replay equals the eager call exactly."""
+    from ddtree.engine import capture_graph
+
+    kv_len = -(-(context + n) // 256) * 256  # the engine's KV bucket
+    q, k, v = inputs(n, 32, 8, 128, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block, prefix = mask[:, context:context + n].contiguous(), torch.tensor(context, device=DEVICE)
+    eager = masked_attention(q, k, v, block, 128**-0.5, prefix_len=prefix)
+    torch.testing.assert_close(eager.double(), reference(q, k, v, mask, 128**-0.5), atol=2e-2, rtol=2e-2)
+    graph, out = capture_graph(lambda: masked_attention(q, k, v, block, 128**-0.5, prefix_len=prefix))
+    graph.replay()
+    assert torch.equal(out, eager)

@@ -15,7 +15,9 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
   prefix length n (a device scalar: keys [0, n) are seen by every row) and a block mask [N, M]
   for keys [n, n + M): the tree's ancestor-only visibility, or the drafter block's all-True.
   Then no [N, kv_len] mask or key range is made per forward (two to four fewer launches a round)
-  and only the M block columns are read from memory.
+  and only the M block columns are read from memory; the prefix's whole key blocks go through an
+  inner loop with no mask, bounds or empty-row guard (FlashAttention's), which at long contexts is
+  nearly all of the work.
 
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
 combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +76,21 @@ class AttentionConfig:
 
 
 DEFAULT = AttentionConfig()
+# Many rows over a long context is compute-bound: FlashAttention's larger tiles (8 warps, 128 rows,
+# a third pipeline stage). H200, Qwen3-8B heads, 32k cached keys, us per layer, DEFAULT -> LONG:
+# N = 17: 69.3 -> 58.7, N = 65: 216 -> 115, N = 257: 698 -> 371 (attention_configs_h200_long.json).
+LONG = AttentionConfig(block_m=128, num_warps=8, num_stages=3)
+LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128
+
+
+def tiling(rows: int, kv_len: int, head_dim: int) -> AttentionConfig:
+    """The tiling for `rows` (= N x group) query rows per KV head over kv_len keys: LONG for many
+    rows over a long context (its programs per SM grow with its row blocks, as measured), else
+    DEFAULT. At head_dim 256 LONG's tiles do not fit, so DEFAULT serves every shape."""
+    if rows <= 32 or kv_len < LONG_KV_MIN or head_dim > 128:
+        return DEFAULT
+    row_blocks = -(-rows // LONG.block_m)
+    return replace(LONG, programs_per_sm=1 if row_blocks == 1 else 2 if row_blocks <= 4 else 4)
 
 
 def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfig = DEFAULT) -> tuple[int, int]:
@@ -125,18 +142,19 @@ def prefix_block_mask(prefix_len: torch.Tensor, block: torch.Tensor, kv_len: int
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                      ranges: torch.Tensor | None = None, splits: int | None = None,
-                     config: AttentionConfig = DEFAULT, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+                     config: AttentionConfig | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one) -> out [N, Hq * D] in q's dtype.
 
     Without prefix_len: mask [N, T] bool (True: query i sees key j); ranges: `key_range(mask)` when
     already computed. With prefix_len ([] long on the device, prefix_len + M <= T): mask is a block
     [N, M] bool and query i sees keys < prefix_len and keys prefix_len + j where mask[i, j]
     (`prefix_block_mask`); ranges are not used. Every row must see at least one key. `splits`
-    overrides the key split (tests), `config` the tiling (benchmarks/attention_configs.py)."""
+    overrides the key split (tests), `config` the tiling (default: `tiling`; benchmarks/attention_configs.py)."""
     n, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
     rows = n * group
+    config = config or tiling(rows, t, d)
     q = q if q.stride(-1) == 1 else q.contiguous()
     prefix = prefix_len is not None
     if prefix:
@@ -181,10 +199,27 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 if triton is not None:
 
     @triton.jit
+    def _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h, sv_t, sv_h,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Keys [j, j + BLOCK_N), all inside the prefix every row sees, into m_i, l_i, acc: no bounds,
+        no mask and no empty-row guard (the FlashAttention inner loop; most of a long context)."""
+        cols = j + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :])
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        p = tl.exp2(logits - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None] * sv_t + h * sv_h + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2, prefix_len,
               block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
               PREFIX: tl.constexpr):
-        """Keys [j, j + BLOCK_N) into the running max m_i, denominator l_i and sum acc (online softmax)."""
+        """Keys [j, j + BLOCK_N) into the running max m_i, denominator l_i and sum acc (online softmax),
+        through the mask and the bounds."""
         cols = j + tl.arange(0, BLOCK_N)
         inside = cols < end
         k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :], mask=inside[:, None], other=0.0)
@@ -241,6 +276,19 @@ if triton is not None:
         # key blocks stay aligned to BLOCK_N, so skipping never changes how the sums are grouped
         start = tl.maximum(s * keys_per_split, (first // BLOCK_N) * BLOCK_N)
         end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
+        if PREFIX:  # whole key blocks of the prefix first, with no mask; the rest below, masked
+            seen_end = tl.minimum(end, (prefix_len // BLOCK_N) * BLOCK_N)
+            if LOOP_WHILE:
+                j = start
+                while j < seen_end:
+                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION)
+                    j += BLOCK_N
+            else:
+                for j in range(start, seen_end, BLOCK_N):
+                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION)
+            start = tl.maximum(start, seen_end)
         if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
             j = start
             while j < end:
