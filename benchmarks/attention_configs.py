@@ -2,7 +2,7 @@
 heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch's masked
 attention, for the token counts of a round.
 
-    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|combine|none]
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|none]
         [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--output FILE.json]
 
 For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
@@ -11,9 +11,9 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 (CUDA-graph replay of 10 calls) of every tiling, of the default one, and of
 `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
-bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default) tries 48 tilings;
-`--sweep long` the
-DEFAULT and LONG tilings (where LONG starts to pay); `--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
+bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default)
+tries 72 tilings; `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
+`--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
 at 1, 2 and 4 programs per SM, loading 8192 or 32768 partial-sum elements at once.
 """
 from __future__ import annotations
