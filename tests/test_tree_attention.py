@@ -143,7 +143,9 @@ def test_plan_fills_the_gpu_with_splits():
 def test_tiling_by_shape():
     assert tiling(rows=4, kv_len=131072, head_dim=128) is DEFAULT  # one query: bandwidth-bound
     assert tiling(rows=260, kv_len=1024, head_dim=128) is DEFAULT  # a short context
-    assert tiling(rows=260, kv_len=32768, head_dim=256) is DEFAULT  # LONG's tiles do not fit
+    assert tiling(rows=102, kv_len=32768, head_dim=256) is DEFAULT  # LONG's tiles do not fit at 256
+    assert tiling(rows=390, kv_len=1024, head_dim=256).block_m == 32
+    assert tiling(rows=1542, kv_len=1024, head_dim=256).block_n == 32
     assert [tiling(rows, 32768, 128).programs_per_sm for rows in (68, 260, 1028)] == [1, 2, 4]
     assert tiling(rows=1028, kv_len=32768, head_dim=128).block_m == LONG.block_m
 
@@ -205,3 +207,13 @@ def test_long_context_tree_bf16_and_graph(context, n):
     graph, out = capture_graph(lambda: masked_attention(q, k, v, block, 128**-0.5, prefix_len=prefix))
     graph.replay()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("n", [40, 150])
+def test_head_dim_256_tilings_equal_reference(n):
+    """head_dim 256 with many rows: 32-row blocks (n = 40, 160 rows) or 32-key blocks (n = 150)."""
+    kv_len = 90 + n
+    q, k, v = inputs(n, 8, 2, 256, kv_len, torch.float32, seed=n)
+    mask = tree_mask(n, 90, kv_len, seed=n).to(DEVICE)
+    got = masked_attention(q, k, v, mask[:, 90:90 + n].contiguous(), 0.0625, prefix_len=torch.tensor(90, device=DEVICE))
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.0625).to(got.device), atol=2e-5, rtol=1e-4)
