@@ -8,7 +8,13 @@ For each budget: median ms per round (host wall time between the engine's yields
 and the median of each stage replayed alone as its own CUDA graph: draft, build, verify,
 walk+commit. The floor is computed from the measured copy bandwidth and bf16 matmul rate of this
 GPU: max(bytes / bandwidth, FLOPs / peak) of the target forward over the tree plus the drafter's
-forward. Writes JSON to benchmarks/results/.
+forward.
+
+For each prompt length, also the time to first token: the engine's first step (the prefill,
+ended by the host reading the first token), timed on a second generate call after an untimed
+first one (graph capture, compiled glue), beside the prefill's floor (`prefill_floor`). A prompt
+of over 1024 tokens is prefilled in chunks of `Engine.prefill_chunk` (--prefill-chunk). Writes
+JSON to benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -23,12 +29,13 @@ import torch
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.config import SamplingParams, parse_tree_budget
-from ddtree.engine import Engine
+from ddtree.engine import PREFILL_CHUNK, Engine
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.hybrid import HybridTarget
 from ddtree.models.known_shapes import named_pair
 from ddtree.models.target import TargetModel
 from ddtree.models.layers import RotaryTable
+from ddtree.tree_shape import AR
 
 
 def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -101,6 +108,49 @@ def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict
     return max(by_bytes, by_flops)
 
 
+def prefill_chunk_tokens(engine: Engine, prompt_len: int) -> int:
+    """Tokens per forward of the engine's prefill: the whole prompt in one graph up to the longest
+    padded length (1024), else chunks of `prefill_chunk`."""
+    if engine.prefill_lengths and prompt_len <= engine.prefill_lengths[-1]:
+        return prompt_len
+    return min(prompt_len, engine.prefill_chunk)
+
+
+def prefill_floor(prompt_len: int, chunk: int, params: int, head_params: int, kv_written: int, kv_read: int,
+                  state_bytes: int, pair_flops: int, ceilings: dict) -> float:
+    """Seconds a prefill of `prompt_len` tokens in forwards of `chunk` tokens cannot beat.
+
+    params: matmul parameters every token runs (the target's but its LM head, plus, when the
+    drafter's context is written, its projection: fc and every layer's k/v); head_params: the LM
+    head, run for the last token only; kv_written / kv_read: KV bytes per token written (target
+    and drafter) / read again by a later chunk's attention (target); state_bytes: a hybrid's
+    recurrent state, written once; pair_flops: attention FLOPs per (query, key) pair over all
+    layers, 4 x head_dim x query heads x attention layers.
+    FLOPs: 2 x params x P + 2 x head_params, plus causal attention over P^2 / 2 pairs
+    (2 P^2 x head_dim x heads x layers). Not counted: a hybrid's Gated DeltaNet recurrence (a few
+    Hv Dk Dv per token and layer: under 1% of Qwen3.6-27B's matmul FLOPs), norms, rotary.
+    Bytes: the weights once per chunk (the LM head once), the KV written, the prefix keys each
+    chunk reads, the state."""
+    starts = range(0, prompt_len, chunk)
+    extra_bytes = ((len(starts) - 1) * params + head_params) * 2 + prompt_len * kv_written + sum(starts) * kv_read \
+        + state_bytes
+    extra_flops = 2 * head_params + pair_flops * prompt_len**2 / 2
+    return forward_floor(params, prompt_len, extra_bytes, ceilings, extra_flops=extra_flops)
+
+
+def time_prefill(engine: Engine, prompt: list[int], params: SamplingParams, budget) -> float:
+    """ms to the first token of `prompt`: the generate call's first step, the second of two calls
+    (the first captures the prefill graph or warms the compiled glue up, untimed)."""
+    for _ in range(2):
+        torch.cuda.synchronize()
+        gen = engine.generate(prompt, params, budget)
+        start = time.perf_counter()
+        next(gen)  # ends with the host reading the first token
+        elapsed = (time.perf_counter() - start) * 1000
+        gen.close()
+    return elapsed
+
+
 def time_graph(engine: Engine, fn, reps: int = 20) -> float:
     graph, _ = engine.capture(fn)
     return median_replay_ms(graph, reps)
@@ -114,7 +164,7 @@ def stage_times(engine: Engine, budget) -> dict:
     return out
 
 
-def write_result(args, rows, ceilings, engine, drafter, prompt_lens):
+def write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills):
     """The JSON so far (written after every row, so a run cut short keeps what it measured)."""
     result = {
         "benchmark": "round_latency",
@@ -126,6 +176,8 @@ def write_result(args, rows, ceilings, engine, drafter, prompt_lens):
         "shape": (f"{args.shape} target (random bf16), {drafter.config.num_hidden_layers}-layer DFlash drafter, block 16; "
                   "floor: weights + KV (+ recurrent state read and written) bytes, matmul + attention FLOPs, target and drafter"),
         "prompt_lens": prompt_lens,
+        "prefill_chunk": engine.prefill_chunk,
+        "prefill": prefills,
         "rows": rows,
     }
     out = results_path(args.output, "round_latency")
@@ -140,6 +192,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b"], default="qwen3-8b")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per forward of a long prefill")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -148,7 +201,7 @@ def main() -> None:
     prompt_lens = [int(x) for x in args.prompt_len.split(",")]
     max_len = max(2048, max(prompt_lens) + 1024)  # room for the rounds after the prompt
     target, drafter = build_models(device, torch.bfloat16, args.draft_layers, 16, max_len, args.shape)
-    engine = Engine(target, drafter, max_model_len=max_len)
+    engine = Engine(target, drafter, max_model_len=max_len, prefill_chunk=args.prefill_chunk)
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
 
     tparams = matmul_params(target, skip_embedding=True)
@@ -168,8 +221,28 @@ def main() -> None:
         kv = sum(2 * dcfg.num_key_value_heads * dcfg.head_dim * 2 * s for s in seen)
         return kv, sum(4 * 16 * s * dcfg.head_dim * dcfg.num_attention_heads for s in seen)
 
-    rows = []
+    # The prefill is timed with the first budget that drafts: its prefill writes the drafter's
+    # context (as every budget but ar's does), whose projection and KV its floor counts.
+    prefill_budget = next((b for b in map(parse_tree_budget, args.budgets.split(",")) if b.drafts), AR)
+    context_params = drafter.fc.weight.numel() + drafter.context_kv[0].numel() if prefill_budget.drafts else 0
+    draft_kv_token = 2 * dcfg.num_key_value_heads * dcfg.head_dim * 2 * dcfg.num_hidden_layers if prefill_budget.drafts else 0
+    pair_flops = 4 * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
+    head_params = target.lm_head.weight.numel()
+
+    rows, prefills = [], []
     for prompt_len, label in [(p, b) for p in prompt_lens for b in args.budgets.split(",")]:
+        if prompt_len not in [row["prompt_len"] for row in prefills]:
+            prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
+            ttft = time_prefill(engine, prompt, params, prefill_budget)
+            chunk = prefill_chunk_tokens(engine, prompt_len)
+            floor = prefill_floor(prompt_len, chunk, tparams - head_params + context_params, head_params,
+                                  kv_token_bytes + draft_kv_token, kv_token_bytes, state_bytes // 2,  # written once
+                                  pair_flops, ceilings) * 1000
+            forwards = -(-prompt_len // chunk)
+            prefills.append({"prompt_len": prompt_len, "tree_budget": str(prefill_budget), "forwards": forwards,
+                             "prefill_ms": ttft, "prefill_floor_ms": floor, "ratio_to_floor": ttft / floor})
+            print(f"{prompt_len:>6} prefill ({forwards} x {chunk} tokens, {prefill_budget})  {ttft:9.2f} ms  "
+                  f"floor {floor:8.2f} ms  x{ttft / floor:4.2f}", flush=True)
         prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
         budget = parse_tree_budget(label)
         size = budget.nodes(16)
@@ -194,10 +267,10 @@ def main() -> None:
         rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,
                      "round_ms_all": times, "floor_ms": floor_ms, "ratio_to_floor": median / floor_ms,
                      "target_floor_ms": target_floor * 1000, "draft_floor_ms": draft_floor * 1000, **stages})
-        write_result(args, rows, ceilings, engine, drafter, prompt_lens)
+        write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills)
         print(f"{prompt_len:>6} {label:>6}  round {median:7.2f} ms  floor {floor_ms:6.2f} ms  x{median / floor_ms:4.2f}  "
               + "  ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
-    out = write_result(args, rows, ceilings, engine, drafter, prompt_lens)
+    out = write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills)
     print(f"wrote {out}; bandwidth {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
 
 

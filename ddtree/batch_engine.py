@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.config import MAX_TREE_BUDGET, SamplingParams
-from ddtree.engine import Step
+from ddtree.engine import PREFILL_CHUNK, Step, prefill_chunks
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
 from ddtree.models.layers import AttentionMeta, RowSpan
 from ddtree.sampling import choose_tokens
@@ -47,13 +47,18 @@ class Sequence:
 
 
 class BatchEngine:
-    def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None):
+    def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
-        that of the largest tree budget)."""
+        that of the largest tree budget); prefill_chunk: the most tokens of a prompt one forward
+        prefills (`ddtree.engine.prefill_chunks`)."""
         if getattr(target.config, "hybrid", False):
             raise ValueError("batched decoding serves dense targets; a hybrid target decodes one request at a time")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.target, self.drafter = target, drafter
         self.max_model_len = max_model_len
         param = next(target.parameters())
@@ -120,17 +125,16 @@ class BatchEngine:
         self._free_rows.append(seq.row)
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
-        """The prompt's causal forward into the row -> logits [1, V] of its last token (float32);
-        the drafter's context too, for a sequence that drafts."""
-        p = len(prompt)
+        """The prompt's forwards into the row, chunked as `Engine`'s (`prefill_chunks`) -> logits
+        [1, V] of its last token (float32); the drafter's context too, for a sequence that drafts."""
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        positions = torch.arange(p, device=self.device)
-        alone = AttentionMeta(positions, p, None, causal=True)
-        meta = self._packed(positions + seq.first_slot, [(seq, slice(0, p), alone)])
         taps = self.feature_layers if seq.budget.drafts else None
-        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=slice(p - 1, p))
-        if features is not None:
-            self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
+        for rows, alone, last in prefill_chunks(len(prompt), self.prefill_chunk, self.device):
+            positions = alone.write_slots
+            meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)])
+            logits, features = self.target(tokens[rows], positions, meta, self.cache, taps, logit_rows=last)
+            if features is not None:
+                self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
         return logits
 
     @staticmethod

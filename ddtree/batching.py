@@ -32,7 +32,8 @@ class BatchedRequests:
         max_nodes: the largest tree a request may use (default: the largest tree budget's)."""
         self.llm = llm
         self.max_rows = max_rows
-        self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes)
+        self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes,
+                                  prefill_chunk=llm.engine.prefill_chunk)
         self.running: list[BatchedRequest] = []
 
     @property

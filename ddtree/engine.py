@@ -31,7 +31,11 @@ The prefill of a prompt of up to PREFILL_PAD_MAX tokens is padded to the next of
 lengths (`prefill_lengths`), on CUDA one graph each: one replay instead of ~100 launches and the
 compiled functions' guards (on the demo pair the time to first token went from a mean 5-10 ms to
 0.35 ms, benchmarks/README.md). The padding is causally invisible to the prompt and writes only
-cache slots past n, which no later query sees before a round overwrites them.
+cache slots past n, which no later query sees before a round overwrites them. A longer prompt is
+prefilled eagerly in forwards of at most `prefill_chunk` tokens (`prefill_chunks`): the first
+causal from an empty cache, each later one seeing the cached prefix and itself causally, so that
+a forward's activations ([C, intermediate_size] in the MLP, the recurrent layers' float32 copies)
+stay bounded whatever the prompt's length.
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ from ddtree.tree_shape import TreeShape
 
 log = logging.getLogger("ddtree.engine")
 
-PREFILL_PAD_MAX = 1024  # longer prompts are prefilled eagerly at their exact length
+PREFILL_PAD_MAX = 1024  # longer prompts are prefilled eagerly, in chunks (prefill_chunks)
+PREFILL_CHUNK = 4096  # tokens per forward of an eager prefill: bounds its activations
 WALK_COMPILED_SIZES = 32  # tree sizes (budgets) whose walk is compiled; the rest run it eagerly
 
 
@@ -67,6 +72,28 @@ def prefill_lengths(limit: int) -> list[int]:
         lengths.append(x)
         x = x * 3 // 2 if x & (x - 1) == 0 else x * 4 // 3
     return lengths
+
+
+def prefill_chunks(length: int, chunk: int, device) -> list[tuple[slice, AttentionMeta, slice]]:
+    """How a prompt of `length` tokens is prefilled: forwards of at most `chunk` tokens, each as
+    (its rows of the prompt, its attention meta alone, its logit rows: its last token, which in
+    the last forward is the prompt's; the others' logits are dropped, one row each, rather than
+    none, a zero-row shape the compiled code would meet nowhere else). The first is causal from an empty cache; the one at
+    positions [s, s + c) sees keys [0, s) (the prefix, already cached) and itself causally, which
+    for recurrent layers (a meta neither causal nor a tree) advances the state the prefix left."""
+    chunks, causal = [], None
+    for start in range(0, length, chunk):
+        c = min(chunk, length - start)
+        positions = torch.arange(start, start + c, device=device)
+        if start == 0:
+            meta = AttentionMeta(positions, c, None, causal=True)
+        else:
+            if causal is None:  # [chunk, chunk], made once; a shorter last chunk takes its top-left corner
+                causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+            meta = AttentionMeta(positions, start + c, prefix_len=torch.tensor(start, device=device),
+                                 block_mask=causal[:c, :c])
+        chunks.append((slice(start, start + c), meta, slice(c - 1, c)))
+    return chunks
 
 
 @dataclass
@@ -143,12 +170,17 @@ def capture_graph(fn: Callable[[], object], pool=None,
 class Engine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, max_model_len: int,
                  use_graphs: bool | None = None, kv_bucket: int | None = None, compile_layers: bool | None = None,
-                 fused_tree: bool | None = None, padded_prefill: bool | None = None, overlap: bool = True):
+                 fused_tree: bool | None = None, padded_prefill: bool | None = None, overlap: bool = True,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """padded_prefill (default: use_graphs): prefill short prompts padded to `prefill_lengths`
         (what graphs need; an eager engine given it runs the graphs' exact shapes).
+        prefill_chunk: the most tokens one forward of an eager prefill runs (`prefill_chunks`).
         overlap: launch each round before reading the previous round's summary (module docstring);
         False reads every summary before the next launch. The tokens are the same either way."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.overlap = overlap
+        self.prefill_chunk = prefill_chunk
         self.target = target
         self.drafter = drafter
         self.max_model_len = max_model_len
@@ -301,22 +333,30 @@ class Engine:
         self.n.add_(result.length)
         self.root.copy_(result.bonus)
 
-    def _prefill(self, tokens: torch.Tensor, last: torch.Tensor | slice, taps: list[int] | None,
-                 length: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [L] at positions 0 .. L - 1 (causal) -> logits [1, V] (float32) of row `last`.
-        Writes the target cache's slots [0, L) and, with `taps`, the drafter's context there.
-        length: the prompt's length when tokens past it are padding (recurrent layers stop there)."""
-        positions = torch.arange(tokens.shape[0], device=self.device)
-        meta = AttentionMeta(positions, tokens.shape[0], None, causal=True, length=length)
+    def _prefill(self, tokens: torch.Tensor, meta: AttentionMeta, last: torch.Tensor | slice,
+                 taps: list[int] | None) -> torch.Tensor:
+        """Prompt tokens [L] at positions meta.write_slots -> logits [rows, V] (float32) of rows
+        `last`. Writes the target cache's slots there and, with `taps`, the drafter's context."""
+        positions = meta.write_slots
         logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=last)
         if features is not None:
             self.drafter.append_context(features, positions, self.draft_cache)
         return logits
 
     def _padded_prefill(self, length: int) -> torch.Tensor:
-        """The prompt in prompt_tokens[:n], padded to `length`: `_prefill` with the drafter's
-        context always written, so that one graph serves every budget."""
-        return self._prefill(self.prompt_tokens[:length], (self.n - 1).reshape(1), self.feature_layers, self.n)
+        """The prompt in prompt_tokens[:n], padded to `length`, in one causal forward, with the
+        drafter's context always written, so that one graph serves every budget; recurrent layers
+        stop at n (the rest is padding)."""
+        positions = torch.arange(length, device=self.device)
+        meta = AttentionMeta(positions, length, None, causal=True, length=self.n)
+        return self._prefill(self.prompt_tokens[:length], meta, (self.n - 1).reshape(1), self.feature_layers)
+
+    def _prefill_chunked(self, tokens: torch.Tensor, taps: list[int] | None) -> torch.Tensor:
+        """The prompt tokens [P] at their exact length, in forwards of at most `prefill_chunk`
+        tokens (`prefill_chunks`) -> logits [1, V] (float32) of the last token."""
+        for rows, meta, last in prefill_chunks(tokens.shape[0], self.prefill_chunk, self.device):
+            logits = self._prefill(tokens[rows], meta, last, taps)
+        return logits
 
     # -- graphs --------------------------------------------------------------------------------
 
@@ -472,7 +512,7 @@ class Engine:
             logits = self._run_prefill(length)
         else:
             tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-            logits = self._prefill(tokens, slice(p - 1, p), self.feature_layers if budget.drafts else None)
+            logits = self._prefill_chunked(tokens, self.feature_layers if budget.drafts else None)
         self.root.copy_(choose_tokens(logits, params, generator)[0])
         self._host_n = p
         first = int(self.root)  # host sync: the first token is needed now (time to first token)

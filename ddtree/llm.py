@@ -16,7 +16,7 @@ from typing import Iterator, Union
 import torch
 
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
-from ddtree.engine import Engine, Step
+from ddtree.engine import PREFILL_CHUNK, Engine, Step
 from ddtree.logprobs import TokenLogprob
 from ddtree.flags import parse_device
 from ddtree.model_pair import (  # noqa: F401 (DEFAULT_DRAFT: the demo drafter, for callers)
@@ -145,12 +145,15 @@ class LLM:
         kv_bucket: int | None = None,
         padded_prefill: bool | None = None,
         overlap: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
         max_cached_budgets: int | None = None,
         max_num_seqs: int | None = None,
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
         `tree_budget=None` is 64 with a drafter and `ar` without.
+        prefill_chunk: the most tokens one forward of a long prompt's prefill runs (its activation
+        memory grows with it; ddtree.engine.prefill_chunks), for the batched engine too.
         max_cached_budgets: how many tree budgets besides the default keep their buffers and
         graphs between requests (least recently used beyond it are freed; None keeps every one).
         max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
@@ -190,7 +193,7 @@ class LLM:
         self.vocab_size = cfg.vocab_size
         self.engine = Engine(self.target, self.drafter, limit, use_graphs=use_graphs, kv_bucket=kv_bucket,
                              compile_layers=compile_layers, fused_tree=fused_tree,
-                             padded_prefill=padded_prefill, overlap=overlap)
+                             padded_prefill=padded_prefill, overlap=overlap, prefill_chunk=prefill_chunk)
         self.working_set = BudgetWorkingSet(self.engine, max_cached_budgets)
         if max_num_seqs is not None and max_num_seqs < 1:
             raise DDTreeError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")

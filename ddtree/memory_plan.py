@@ -21,7 +21,7 @@ Every figure counts what ddtree allocates today (tests/test_memory_plan.py compa
   bucket) leaves the verify's logits; plus one [1, V] float32 logits row per prefill graph.
 
 Not counted: activations and allocator slack of a forward (the temporaries of a round, a long
-prefill's [T, ...] tensors, the drafter's [b - 1, V] logits), torch.compile and Triton workspaces,
+prefill's [T, ...] tensors, T at most `Engine.prefill_chunk`, the drafter's [b - 1, V] logits), torch.compile and Triton workspaces,
 the fused tree build's ranking buffers (a few KiB per budget) and the CUDA context. Measured peak
 memory on a GPU is a separate figure.
 
