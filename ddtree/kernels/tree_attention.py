@@ -19,6 +19,14 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
   inner loop with no mask, bounds or empty-row guard (FlashAttention's), which at long contexts is
   nearly all of the work.
 
+The batched form (`batched_masked_attention`) is the prefix form for R sequences of a batch in one
+launch, each row of the KV cache read from its own first slot with its own prefix length: q holds
+R rows of M tokens (shorter rows padded), the block mask is [R, M, C], the prefix lengths and
+first slots are [R] device tensors, and the grid's split axis becomes (row, split). The key split
+is planned over a static bound on a row's keys (`max_kv`), not over the prefix lengths, so a
+launch's shapes depend on (R, M, cache, heads, max_kv) alone and one CUDA graph serves a batch
+bucket; a split past its row's keys reads nothing and counts in the combine as seeing nothing.
+
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
 combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
 (benchmarks/README.md).
@@ -43,7 +51,10 @@ except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTor
 # (block_m x splits): H200, Qwen3-8B heads, per layer: N = 1 (16 x 12) 8.6 -> 5.9 us, N = 257
 # (64 x 2) 25.3 -> 24.3; but N = 17 (64 x 12) 13.5 -> 22.7, one program reading them all.
 FOLD_MAX_PARTIALS = 512
-MAX_SPLIT_TILES = 4096  # (row block, KV head) tiles of one split launch: splitting stops at a few programs per SM
+# Arrival counters: a split launch combines in the kernel only while its (row block, KV head, batch
+# row) tiles are at most this many (else a combine kernel does it). Automatic splitting stops at a
+# few programs per SM, far below it; forced splits or many batch rows can pass it.
+MAX_SPLIT_TILES = 4096
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -83,20 +94,21 @@ LONG = AttentionConfig(block_m=128, num_warps=8, num_stages=3)
 LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128
 
 
-def tiling(rows: int, kv_len: int, head_dim: int) -> AttentionConfig:
-    """The tiling for `rows` (= N x group) query rows per KV head over kv_len keys: LONG for many
-    rows over a long context (its programs per SM grow with its row blocks, as measured), else
-    DEFAULT. At head_dim 256 LONG's tiles do not fit; there smaller tiles serve many rows (H200,
-    Qwen3.6-27B heads 24/4/256, 512 cached keys, us per layer: N = 65 (390 rows) 27.3 -> 21.9 with
-    32-row blocks; N = 257 (1542 rows) 54.0 -> 44.3 with 32-key blocks; N = 17 (102 rows) keeps
-    DEFAULT, 13.5 against 24.4; attention_configs_h200_qwen36_27b.json)."""
+def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1) -> AttentionConfig:
+    """The tiling for `rows` (= N x group) query rows per KV head over kv_len keys, in each of
+    `batch` rows of a batched launch: LONG for many rows over a long context (its programs per SM
+    grow with its row blocks, as measured), else DEFAULT. At head_dim 256 LONG's tiles do not fit;
+    there smaller tiles serve many rows (H200, Qwen3.6-27B heads 24/4/256, 512 cached keys, us per
+    layer: N = 65 (390 rows) 27.3 -> 21.9 with 32-row blocks; N = 257 (1542 rows) 54.0 -> 44.3 with
+    32-key blocks; N = 17 (102 rows) keeps DEFAULT, 13.5 against 24.4;
+    attention_configs_h200_qwen36_27b.json)."""
     if head_dim > 128:
         if rows <= 128:
             return DEFAULT
         return replace(DEFAULT, block_m=32, programs_per_sm=4) if rows <= 512 else replace(DEFAULT, block_n=32)
     if rows <= 32 or kv_len < LONG_KV_MIN:
         return DEFAULT
-    row_blocks = -(-rows // LONG.block_m)
+    row_blocks = batch * -(-rows // LONG.block_m)
     return replace(LONG, programs_per_sm=1 if row_blocks == 1 else 2 if row_blocks <= 4 else 4)
 
 
@@ -113,12 +125,10 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def _arrival_counters(device: torch.device) -> torch.Tensor:
     """Per-device int32 [MAX_SPLIT_TILES] of zeros: how many splits of each tile have finished in
     the running launch (each launch leaves them at zero). Made on the first split launch, which
     runs eagerly (graph capture is preceded by an eager run); launches on one stream at a time."""
-    if tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"{tiles} split tiles exceed {MAX_SPLIT_TILES}; lower programs_per_sm")
     if device not in _ARRIVALS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tree attention's first split launch must run before graph capture")
@@ -158,48 +168,88 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     (`prefix_block_mask`); ranges are not used. Every row must see at least one key. `splits`
     overrides the key split (tests), `config` the tiling (default: `tiling`; benchmarks/attention_configs.py)."""
     n, hq, d = q.shape
-    t, hkv = k.shape[0], k.shape[1]
-    group = hq // hkv
-    rows = n * group
-    config = config or tiling(rows, t, d)
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    t = k.shape[0]
+    config = config or tiling(n * (hq // k.shape[1]), t, d)
     prefix = prefix_len is not None
     if prefix:
         ranges = prefix_len.reshape(1)  # the kernel reads the prefix length where the ranges would be
     elif ranges is None:
         ranges = key_range(mask)
+    return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config)
+
+
+def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float,
+                             prefix_len: torch.Tensor, first_slot: torch.Tensor, max_kv: int,
+                             config: AttentionConfig | None = None, splits: int | None = None) -> torch.Tensor:
+    """The prefix form for R rows (sequences) of a cache in one launch.
+
+    q [R * M, Hq, D]: row r's M tokens at r * M .. r * M + M - 1 (rows shorter than M padded);
+    k, v [S, Hkv, D]: the whole cache (any strides with a unit last one); block_mask [R, M, C] bool
+    (C: block columns, usually M); prefix_len, first_slot [R] long or int32 on the device. Row r's
+    token i sees keys first_slot[r] + j for j < prefix_len[r], and first_slot[r] + prefix_len[r] + j
+    where block_mask[r, i, j] -> out [R * M, Hq * D] in q's dtype.
+
+    max_kv: a bound on the keys a row sees, counted from its first slot (prefix_len plus the block
+    columns it uses; block columns past max_kv must be False), e.g. a row's slot count. The key
+    split is planned over max_kv, so the launch depends on (R, M, C, S, heads, max_kv) alone, never
+    on the prefix lengths, and one CUDA graph serves every batch of that shape. A token that sees
+    no key (padding with no prefix) gets zeros; keys a row reads but does not see (block columns
+    past its tokens) only need to be finite, and reads stop at the cache's end."""
+    rows_total, hq, d = q.shape
+    batch, m, cols = block_mask.shape
+    if rows_total != batch * m:
+        raise ValueError(f"q has {rows_total} tokens; {batch} rows of {m} make {batch * m}")
+    if prefix_len.shape != (batch,) or first_slot.shape != (batch,):
+        raise ValueError(f"prefix_len and first_slot must be [{batch}], got {tuple(prefix_len.shape)} "
+                         f"and {tuple(first_slot.shape)}")
+    config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch)
+    return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len, first_slot, batch, max_kv, scale, True,
+                   splits, config)
+
+
+def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, splits, config):
+    """One `_attention` launch (and, when the partials are many, a `_combine_kernel` launch) over
+    `batch` rows of q's tokens; keys are split over [0, max_kv) of each row."""
+    n, hq, d = q.shape
+    t, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    rows = n // batch * group  # query rows per KV head of one batch row
+    q = q if q.stride(-1) == 1 else q.contiguous()
     block_cols = mask.shape[1] if prefix else 0
     mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     block_n = config.block_n
-    block_m, auto_splits = plan(rows, hkv, t, _sm_count(q.device), config)
-    splits = auto_splits if splits is None else max(1, min(splits, triton.cdiv(t, block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(t, splits), block_n) * block_n
-    splits = triton.cdiv(t, keys_per_split)
-    grid = (triton.cdiv(rows, block_m), hkv, splits)
+    block_m, auto_splits = plan(rows, hkv * batch, max_kv, _sm_count(q.device), config)
+    splits = auto_splits if splits is None else max(1, min(splits, triton.cdiv(max_kv, block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+    splits = triton.cdiv(max_kv, keys_per_split)
+    grid = (triton.cdiv(rows, block_m), hkv, batch * splits)
     if splits > 1:
-        part_o = torch.empty(splits, hkv, rows, d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits, hkv, rows, 2, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(splits, hkv, batch * rows, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, hkv, batch * rows, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
-    fold = splits > 1 and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS
-    arrivals = _arrival_counters(q.device, grid[0] * grid[1]) if fold else out  # unused unless folded
+    tiles = grid[0] * grid[1] * batch  # each (row block, KV head, batch row) combines once
+    fold = splits > 1 and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS and tiles <= MAX_SPLIT_TILES
+    arrivals = _arrival_counters(q.device) if fold else out  # unused unless folded
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     splits_p = triton.next_power_of_2(splits)
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
-    _attention[grid](q, k, v, mask, ranges, out, part_o, part_ml, arrivals, rows, t, keys_per_split, splits,
-                     scale * 1.4426950408889634, block_cols,
+    batched = first_slot is not None
+    _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
+                     keys_per_split, splits, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1),
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold, PREFIX=prefix,
-                     SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1, PRECISION=precision,
-                     LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
+                     BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
+                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
     if splits > 1 and not fold:
         combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * d)))
-        _combine_kernel[(triton.cdiv(rows, combine_m), hkv)](
-            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d, BLOCK_M=combine_m,
-            SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED, num_warps=4)
+        _combine_kernel[(triton.cdiv(batch * rows, combine_m), hkv)](
+            part_o, part_ml, out, batch * rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
+            BLOCK_M=combine_m, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED, num_warps=4)
     return out.view(n, hq * d)
 
 
@@ -251,20 +301,34 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr, rows, kv_len,
-                   keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h,
-                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, SPLITS_P: tl.constexpr,
-                   UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+    def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, first_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr,
+                   rows, kv_len, keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h,
+                   sm_n, so_n, so_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, BATCHED: tl.constexpr,
+                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
         (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them.
-        PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols]."""
+        PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols].
+        BATCHED (with PREFIX): axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its
+        prefix length is range_ptr[b], and its keys start at slot first_ptr[b] of k and v."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
-        s = tl.program_id(2)
         live = r < rows
+        if BATCHED:
+            b = tl.program_id(2) // splits
+            s = tl.program_id(2) % splits
+            r += b * rows  # from here on rows (and tokens) count across the batch rows, in order
+            all_rows = rows * (tl.num_programs(2) // splits)
+            first_slot = tl.load(first_ptr + b)
+            k_ptr += first_slot.to(tl.int64) * sk_t
+            v_ptr += first_slot.to(tl.int64) * sv_t
+            kv_len = kv_len - first_slot.to(tl.int32)  # reads stop at the cache's end
+        else:
+            b = 0
+            s = tl.program_id(2)
+            all_rows = rows
         tok = r // GROUP
         head = h * GROUP + r % GROUP
         dims = tl.arange(0, D)
@@ -273,7 +337,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if PREFIX:
-            prefix_len = tl.load(range_ptr).to(tl.int32)
+            prefix_len = tl.load(range_ptr + b).to(tl.int32)
             first = 0
             last = prefix_len + block_cols
         else:
@@ -307,7 +371,7 @@ if triton is not None:
                 m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
                                       prefix_len, block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION, PREFIX)
         if SPLIT:
-            at = (s * tl.num_programs(1) + h) * rows + r
+            at = (s * tl.num_programs(1) + h) * all_rows + r
             tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])
             tl.store(part_ml_ptr + at * 2, m_i, mask=live)
             tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
@@ -316,13 +380,15 @@ if triton is not None:
             # count (a block barrier, then a GPU-scope acquire-release atomic: a semaphore).
             tl.debug_barrier()
             tile = h * tl.num_programs(0) + tl.program_id(0)
+            if BATCHED:
+                tile += b * tl.num_programs(1) * tl.num_programs(0)
             arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:  # the tile's last split: every other split's partials are visible
                 tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch
-                _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), rows,
+                _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), all_rows,
                          splits, so_n, so_h, D, BLOCK_M, SPLITS_P, UNROLL, LOOP_WHILE)
-        if not SPLIT:
-            out = acc / tl.where(live, l_i, 1.0)[:, None]
+        if not SPLIT:  # a row that saw no key (batch padding) gets zeros
+            out = acc / tl.where(live & (l_i > 0), l_i, 1.0)[:, None]
             tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -361,7 +427,7 @@ if triton is not None:
         else:
             for first in range(0, splits, UNROLL):
                 acc = _combine_group(part_o_ptr, acc, w, sp, first, splits, kv_heads, h, rows, r, live, dims, D, UNROLL)
-        out = acc / tl.where(live, total, 1.0)[:, None]
+        out = acc / tl.where(live & (total > 0), total, 1.0)[:, None]  # no key seen: zeros
         tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 

@@ -90,6 +90,54 @@ class RowSpan:
 
 
 @dataclass
+class PaddedRows:
+    """A packed forward's rows laid out for `tree_attention.batched_masked_attention` (one launch
+    for every row): R rows of M places, row b's tokens at places b * M .. b * M + n_b - 1, then
+    padding (its outputs are dropped).
+
+    `block_mask` [R, M, C] bool: row b's block mask in its top-left corner, False elsewhere;
+    `prefix_len`, `first_slot` [R] long on the device; `max_kv`: a bound on the keys any row sees,
+    counted from its first slot (the key split is planned over it, so the launch's shapes do not
+    depend on the prefix lengths). `gather` [R * M] long: the packed token each place takes its
+    query from (padding: its row's first token); `scatter` [N] long: the place of each output row,
+    row after row (the packed order where rows follow one another, as `BatchEngine` packs them).
+    Both None when the forward's tokens are already laid out so (N = R * M), as a graph-captured
+    batched round can pack them."""
+
+    block_mask: torch.Tensor
+    prefix_len: torch.Tensor
+    first_slot: torch.Tensor
+    max_kv: int
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+
+    @classmethod
+    def from_rows(cls, rows: list[RowSpan], tokens: int) -> "PaddedRows | None":
+        """The layout of `rows` (of a forward of `tokens` tokens), or None unless every row's meta
+        is in the prefix form (prefix_len and block_mask)."""
+        if not all(row.meta.block_mask is not None and row.meta.prefix_len is not None and row.meta.mask is None
+                   for row in rows):
+            return None
+        spans = [range(*row.tokens.indices(tokens)) for row in rows]
+        device = rows[0].meta.block_mask.device
+        m = max(len(span) for span in spans)
+        cols = max(row.meta.block_mask.shape[1] for row in rows)
+        block_mask = torch.zeros(len(rows), m, cols, dtype=torch.bool, device=device)
+        for b, row in enumerate(rows):
+            block_mask[b, :len(spans[b]), :row.meta.block_mask.shape[1]] = row.meta.block_mask
+        gather = [span[i] if i < len(span) else span[0] for span in spans for i in range(m)]
+        scatter = [b * m + i for b, span in enumerate(spans) for i in range(len(span))]
+        if gather == scatter == list(range(tokens)):  # rows of M tokens one after another: nothing to move
+            gather = scatter = []
+        first_slot = [row.first_slot for row in rows]
+        index = torch.tensor(gather + scatter + first_slot, dtype=torch.long).to(device)  # one copy to the device
+        gather, scatter, first_slot = index.split([len(gather), len(scatter), len(rows)])
+        prefix_len = torch.stack([row.meta.prefix_len.reshape(()).to(device, torch.long) for row in rows])
+        return cls(block_mask, prefix_len, first_slot, max(row.meta.kv_len for row in rows),
+                   gather if len(gather) else None, scatter if len(scatter) else None)
+
+
+@dataclass
 class AttentionMeta:
     """What one forward needs to know about the cache, built once and shared by every layer.
 
@@ -104,7 +152,10 @@ class AttentionMeta:
     - neither, with `causal`: plain causal attention from an empty cache (prefill).
 
     A packed forward sets `rows` ([RowSpan]): `write_slots` and `kv_len` then cover every row's
-    slots, and each row attends to its own slots alone, with its own meta (`attend`).
+    slots, and each row attends to its own slots alone, with its own meta (`attend`). On CUDA,
+    when every row is in the prefix form, all rows attend in one batched launch through `padded`
+    ([PaddedRows]: given precomputed, or made from `rows` once per forward by `padded_rows`); a
+    forward may set `padded` without `rows` when its tokens are already in the padded layout.
 
     Recurrent layers (hybrid targets) read three more fields:
     - `parents` [N] long (a tree's parent index per node, -1 for the root; nodes in topological
@@ -128,6 +179,7 @@ class AttentionMeta:
     length: torch.Tensor | None = None
     scratch: object | None = None  # a hybrid target's per-round stash (`RecurrentScratch`)
     rows: list[RowSpan] | None = None
+    padded: PaddedRows | None = None
     _shared: dict = field(default_factory=dict, repr=False)  # what all layers derive from the mask, made once
 
     def dense_mask(self) -> torch.Tensor | None:
@@ -137,6 +189,14 @@ class AttentionMeta:
         if "mask" not in self._shared:
             self._shared["mask"] = tree_attention.prefix_block_mask(self.prefix_len, self.block_mask, self.kv_len)
         return self._shared["mask"]
+
+    def padded_rows(self) -> PaddedRows | None:
+        """`padded`, or the layout made once from `rows` (None unless every row is in the prefix form)."""
+        if self.padded is not None or self.rows is None:
+            return self.padded
+        if "padded" not in self._shared:
+            self._shared["padded"] = PaddedRows.from_rows(self.rows, self.write_slots.shape[0])
+        return self._shared["padded"]
 
     def bias(self, group: int, dtype: torch.dtype, make=mask_bias) -> torch.Tensor:
         """The mask as an additive bias [group * N, kv_len] laid out for `attend`'s GQA grouping (the
@@ -163,8 +223,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     With a mask on CUDA: `kernels.tree_attention` (keys split across the GPU). Elsewhere the query
     heads that share a KV head are stacked along the query axis ([Hkv, group * N, D]) so that keys
     and values are read once per KV head, never copied, with the mask as an additive bias.
+
+    A packed batch (`meta.rows`): each sequence against its own slots, as if alone; on CUDA with
+    every row in the prefix form, one batched launch (`attend_padded`), else a call per row.
     """
-    if meta.rows is not None:  # a packed batch: each sequence against its own slots, as if alone
+    if meta.rows is not None or meta.padded is not None:
+        if q.is_cuda and tree_attention.supported(q, k):
+            padded = meta.padded_rows()
+            if padded is not None:
+                return attend_padded(q, k, v, padded, scale)
+        if meta.rows is None:
+            raise ValueError("a padded batch without rows is attended by the Triton kernel alone (CUDA)")
         return torch.cat([attend(q[row.tokens], k[row.first_slot:row.first_slot + row.meta.kv_len],
                                  v[row.first_slot:row.first_slot + row.meta.kv_len], row.meta, scale, make_bias)
                           for row in meta.rows])
@@ -185,6 +254,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     bias = meta.bias(group, q.dtype, make_bias)[None, None]
     out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=bias, scale=scale)  # [1, Hkv, group * N, D]
     return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
+def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padded: PaddedRows, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] (a packed forward's tokens); k, v: the cache's keys and values from slot 0 ->
+    [N, Hq * D]: every row of `padded` in one `tree_attention.batched_masked_attention` launch."""
+    q = q if padded.gather is None else q[padded.gather]
+    out = tree_attention.batched_masked_attention(q, k, v, padded.block_mask, scale, padded.prefix_len,
+                                                  padded.first_slot, padded.max_kv)
+    return out if padded.scatter is None else out[padded.scatter]
 
 
 _FLOAT32_OUT_MM: dict[torch.device, bool] = {}

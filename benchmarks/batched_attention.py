@@ -1,0 +1,102 @@
+"""One batched tree-attention launch for R sequences (`tree_attention.batched_masked_attention`)
+against the per-row loop it replaces (R `masked_attention` calls), at a head layout (default
+Qwen3-8B's: 32 query / 8 KV heads, head_dim 128), bf16, per layer.
+
+    python benchmarks/batched_attention.py [--rows 1,4,16] [--tokens 1,17,65] [--contexts 512,mixed]
+        [--heads HQ,HKV,D] [--row-slots N] [--output FILE.json]
+
+Each row holds a random tree of N tokens after its context (`mixed`: 100, 3000, 17, 40000 cycled
+over the rows, so short rows share a launch with a long one); its cache row has `--row-slots`
+slots (default: the longest context + N + 64). Microseconds per call (CUDA-graph replay of 10
+calls) of the loop, of the batched launch with max_kv = the longest row's keys (what `attend`
+passes in an eager round), and with max_kv = the row's slot count (what one graph per batch
+bucket would pass), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's
+measured copy bandwidth and bf16 matmul rate.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from benchmarks.round_latency import measure_ceilings
+from ddtree.bench.machine import git_revision, results_path
+from ddtree.bench.timing import median_replay_ms
+from ddtree.engine import capture_graph
+from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention
+from ddtree.tree import build_tree
+
+MIXED = (100, 3000, 17, 40000)
+
+
+def call_us(fn) -> float:
+    graph, _ = capture_graph(lambda: [fn() for _ in range(10)])
+    return median_replay_ms(graph, 20) * 100
+
+
+def case(r: int, n: int, contexts: list[int], row_slots: int, hq: int, hkv: int, d: int):
+    gen = torch.Generator(device="cuda").manual_seed(r * 1000 + n)
+    q = torch.randn(r * n, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cache = torch.randn(2, r * row_slots, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    blocks = []
+    for _ in range(r):
+        logp = torch.log_softmax(torch.randn(15, 1000, device="cuda", generator=gen), dim=-1)
+        blocks.append(build_tree(logp, torch.tensor(1, device="cuda"), n - 1).visible if n > 1
+                      else torch.ones(1, 1, dtype=torch.bool, device="cuda"))
+    block = torch.stack(blocks)
+    prefix = torch.tensor(contexts, device="cuda")
+    first = torch.arange(r, device="cuda") * row_slots
+    return q, cache[0], cache[1], block, prefix, first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--tokens", default="1,17,65")
+    ap.add_argument("--contexts", default="512,mixed", help="each row's context: a number, or 'mixed'")
+    ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
+    ap.add_argument("--row-slots", type=int, default=None)
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    ceilings = measure_ceilings(torch.device("cuda"))
+    results = []
+    for ctx, r, n in itertools.product(args.contexts.split(","), map(int, args.rows.split(",")),
+                                       map(int, args.tokens.split(","))):
+        contexts = [MIXED[i % len(MIXED)] if ctx == "mixed" else int(ctx) for i in range(r)]
+        row_slots = args.row_slots or max(contexts) + n + 64
+        q, k, v, block, prefix, first = case(r, n, contexts, row_slots, hq, hkv, d)
+        scale = d**-0.5
+        alone = [(q[b * n:(b + 1) * n], k[b * row_slots:b * row_slots + contexts[b] + n],
+                  v[b * row_slots:b * row_slots + contexts[b] + n], block[b], prefix[b]) for b in range(r)]
+
+        def loop():
+            return [masked_attention(qb, kb, vb, blk, scale, prefix_len=p) for qb, kb, vb, blk, p in alone]
+
+        tight = max(contexts) + n
+        kv_bytes = sum(2 * (c + n) * hkv * d * 2 for c in contexts)
+        flops = sum(4 * n * (c + n) * d * hq for c in contexts)
+        row = {"contexts": contexts, "rows": r, "tokens": n, "row_slots": row_slots,
+               "floor_us": max(kv_bytes / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"]) * 1e6,
+               "loop_us": call_us(loop),
+               "batched_tight_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,
+                                                                            tight)),
+               "batched_slots_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,
+                                                                            row_slots))}
+        results.append(row)
+        print(f"ctx {ctx:>6} R={r:3d} N={n:4d}  floor {row['floor_us']:8.1f}  loop {row['loop_us']:8.1f}  "
+              f"batched {row['batched_tight_us']:8.1f} (max_kv {tight})  {row['batched_slots_us']:8.1f} "
+              f"(max_kv {row_slots}) us", flush=True)
+    out = results_path(args.output, "batched_attention")
+    out.write_text(json.dumps({
+        "benchmark": "batched_attention", "command": "python benchmarks/batched_attention.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+        "heads": [hq, hkv, d], "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "ceilings": ceilings, "git_revision": git_revision(), "rows": results}, indent=2))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()

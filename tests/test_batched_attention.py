@@ -1,0 +1,291 @@
+"""`kernels.tree_attention.batched_masked_attention` (many sequences' prefix-form attention in one
+launch, each from its own cache row) equals `masked_attention` on each row alone and float64
+attention: different prefix lengths per row (ending mid key block, zero, long enough that some
+splits of the short rows see nothing), tree and all-True block masks, strided caches, forced and
+automatic key splits, the combine folded or launched, padded rows. `layers.attend` reaches it for
+a packed forward's prefix-form rows on CUDA and keeps the per-row loop on the CPU. On the CPU in
+Triton's interpreter (small shapes); on a GPU also at Qwen3-8B's head layout in bf16, with a
+CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
+from test_tree_attention import reference, tree_mask  # noqa: E402
+
+from ddtree.kernels import tree_attention  # noqa: E402
+from ddtree.kernels.tree_attention import (  # noqa: E402
+    AttentionConfig, batched_masked_attention, masked_attention, prefix_block_mask)
+from ddtree.models.layers import AttentionMeta, RowSpan, attend, attend_padded  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def batch_inputs(m, hq, hkv, d, prefixes, dtype, seed, strided=False, extra=16):
+    """R = len(prefixes) rows of m tokens; row b's slots are [first[b], first[b] + row_slots), the
+    rows laid out in reverse order in the cache (first slots need not grow with b). -> q [R * m,
+    Hq, D], k, v [S, Hkv, D], first slots [R] and row_slots."""
+    gen = torch.Generator().manual_seed(seed)
+    r = len(prefixes)
+    row_slots = max(prefixes) + m + extra
+    slots = r * row_slots + 5
+    q = torch.randn(r * m, hq, d, generator=gen)
+    if strided:  # a slice of a [layers, slots, Hkv, D] cache, as the engine passes it
+        cache = torch.randn(3, slots, hkv, d, generator=gen)
+        k, v = cache[1], cache[2]
+    else:
+        k, v = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
+    first = torch.tensor([(r - 1 - b) * row_slots + 3 for b in range(r)])
+    return *(t.to(DEVICE, dtype) for t in (q, k, v)), first.to(DEVICE), row_slots
+
+
+def block_masks(m, r, kind, seed):
+    if kind == "all":
+        return torch.ones(r, m, m, dtype=torch.bool, device=DEVICE)
+    return torch.stack([tree_mask(m, 0, m, seed=seed + b) for b in range(r)]).to(DEVICE)
+
+
+def row_reference(q, k, v, block, prefix, first, b, m, scale, n=None):
+    """float64 attention of row b's first n (default m) tokens alone, over its own slots, with the
+    dense mask its form stands for."""
+    n = m if n is None else n
+    kv_len = prefix + n
+    keys = slice(first, first + kv_len)
+    dense = prefix_block_mask(torch.tensor(prefix, device=DEVICE), block[b, :n, :n], kv_len)
+    return reference(q[b * m:b * m + n], k[keys], v[keys], dense, scale)
+
+
+CASES = [  # m, Hq, Hkv, D, prefix lengths per row, strided cache
+    (1, 4, 2, 16, [37], False),  # one row, one token (an autoregressive step)
+    (5, 4, 2, 32, [20, 0], True),  # a row with no prefix
+    (9, 4, 1, 16, [70, 0, 300], True),  # mid key block, none, long: splits of short rows see nothing
+    (17, 2, 2, 16, [130, 5, 64], False),  # a prefix of exactly one key block
+]
+
+
+@pytest.mark.parametrize("m,hq,hkv,d,prefixes,strided", CASES)
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("block", ["tree", "all"])
+def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, block):
+    r = len(prefixes)
+    q, k, v, first, row_slots = batch_inputs(m, hq, hkv, d, prefixes, torch.float32, seed=m + r, strided=strided)
+    blk = block_masks(m, r, block, seed=m)
+    prefix = torch.tensor(prefixes, device=DEVICE)
+    got = batched_masked_attention(q, k, v, blk, d**-0.5, prefix, first, max_kv=row_slots, splits=splits)
+    assert got.shape == (r * m, hq * d) and got.dtype == q.dtype
+    for b in range(r):
+        kv_len = prefixes[b] + m
+        keys = slice(int(first[b]), int(first[b]) + kv_len)
+        alone = masked_attention(q[b * m:(b + 1) * m], k[keys], v[keys], blk[b], d**-0.5, splits=splits,
+                                 prefix_len=prefix[b])
+        mine = got[b * m:(b + 1) * m]
+        if splits == 1:  # the same key blocks in the same order: the same arithmetic
+            torch.testing.assert_close(mine, alone, atol=1e-6, rtol=1e-6)
+        else:  # the split boundaries follow max_kv here, the row's own length alone
+            torch.testing.assert_close(mine, alone, atol=2e-5, rtol=1e-4)
+        want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, d**-0.5)
+        torch.testing.assert_close(mine.double(), want.to(mine.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_combine_in_kernel_or_launched(fold, splits):
+    """Each (row block, KV head, batch row) tile's splits are combined by its last split (arrival
+    counters per tile) or by the combine launch; repeated calls find the counters zeroed."""
+    m, prefixes = 6, [300, 12, 150]
+    config = AttentionConfig(fold_combine=fold)
+    blk = block_masks(m, 3, "tree", seed=4)
+    prefix = torch.tensor(prefixes, device=DEVICE, dtype=torch.int32)
+    for seed in range(2):
+        q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=seed, strided=True)
+        got = batched_masked_attention(q, k, v, blk, 0.25, prefix, first.to(torch.int32), max_kv=row_slots,
+                                       config=config, splits=splits)
+        for b in range(3):
+            want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
+            torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padding_is_finite_and_leaves_rows_alone(splits):
+    """Row 1 has 3 real tokens of m = 7 and no prefix; its padding tokens see nothing (all-False
+    block rows): zeros, not NaN. Its real tokens and the other rows are as if alone, and the block
+    keys past row 1's tokens (read, never seen) may hold anything finite."""
+    m, prefixes, real = 7, [90, 0, 40], [7, 3, 5]
+    q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=9)
+    blk = block_masks(m, 3, "tree", seed=1)
+    for b, n in enumerate(real):
+        blk[b, n:] = False
+        blk[b, :, n:] = False
+    prefix = torch.tensor(prefixes, device=DEVICE)
+    got = batched_masked_attention(q, k, v, blk, 0.25, prefix, first, max_kv=row_slots, splits=splits)
+    assert torch.isfinite(got).all()
+    assert not got[m + 3:2 * m].any()
+    for b, n in enumerate(real):
+        want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25, n)
+        torch.testing.assert_close(got[b * m:b * m + n].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_shapes_do_not_follow_prefix_lengths():
+    """The launch depends on max_kv, not on the prefix lengths: the same batch with its rows'
+    prefixes changed plans the same grid and partials (what lets one graph serve the batch)."""
+    seen = []
+    original = tree_attention._launch
+
+    def spy(*args):
+        seen.append(args[7])  # max_kv: the split plan's bound
+        return original(*args)
+
+    m = 3
+    q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, [200, 10], torch.float32, seed=2)
+    blk = block_masks(m, 2, "all", seed=0)
+    tree_attention._launch = spy
+    try:
+        for prefixes in ([200, 10], [3, 150]):
+            prefix = torch.tensor(prefixes, device=DEVICE)
+            got = batched_masked_attention(q, k, v, blk, 0.25, prefix, first, max_kv=row_slots)
+            for b in range(2):
+                want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
+                torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+    finally:
+        tree_attention._launch = original
+    assert seen == [row_slots, row_slots]
+
+
+def packed_rows(sizes, prefixes, row_slots, seed):
+    """A packed forward's rows as `BatchEngine` makes them: row b's `sizes[b]` tokens after row
+    b - 1's, each with its prefix-form meta alone (a tree's visibility) and its first slot."""
+    rows, start = [], 0
+    for b, (n, p) in enumerate(zip(sizes, prefixes)):
+        alone = AttentionMeta(torch.arange(n, device=DEVICE) + p, p + n + 2,
+                              prefix_len=torch.tensor(p, device=DEVICE),
+                              block_mask=tree_mask(n, 0, n, seed=seed + b).to(DEVICE))
+        rows.append(RowSpan(slice(start, start + n), b * row_slots, alone))
+        start += n
+    return rows
+
+
+def test_padded_layout_equals_the_per_row_loop():
+    """`PaddedRows.from_rows` pads a packed forward's rows of different sizes into [R, M] places,
+    and the batched kernel over them gives every packed token its per-row loop's output, in the
+    packed order (on the CPU the loop is PyTorch's attention)."""
+    hq, hkv, d, row_slots = 4, 2, 16, 160
+    sizes, prefixes = [4, 1, 9], [50, 130, 0]
+    rows = packed_rows(sizes, prefixes, row_slots, seed=5)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(sizes), hq, d, generator=gen).to(DEVICE)
+    k, v = (torch.randn(3 * row_slots, hkv, d, generator=gen).to(DEVICE) for _ in range(2))
+    meta = AttentionMeta(torch.zeros(sum(sizes), dtype=torch.long, device=DEVICE), 3 * row_slots, rows=rows)
+    padded = meta.padded_rows()
+    assert padded is meta.padded_rows()  # made once per forward, shared by the layers
+    assert padded.block_mask.shape == (3, 9, 9) and padded.max_kv == 130 + 1 + 2
+    assert padded.first_slot.tolist() == [0, row_slots, 2 * row_slots] and padded.prefix_len.tolist() == prefixes
+    got = attend_padded(q, k, v, padded, 0.25)
+    torch.testing.assert_close(got, attend(q, k, v, meta, 0.25), atol=2e-5, rtol=1e-4)
+
+
+def test_rows_already_in_place_are_not_moved():
+    """Rows of equal size one after another (the drafter's blocks) are the padded layout already:
+    no gather or scatter."""
+    rows = packed_rows([4, 4, 4], [9, 0, 70], 100, seed=3)
+    meta = AttentionMeta(torch.zeros(12, dtype=torch.long, device=DEVICE), 300, rows=rows)
+    padded = meta.padded_rows()
+    assert padded.gather is None and padded.scatter is None and padded.block_mask.shape == (3, 4, 4)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(12, 2, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(300, 1, 16, generator=gen).to(DEVICE) for _ in range(2))
+    torch.testing.assert_close(attend_padded(q, k, v, padded, 0.25), attend(q, k, v, meta, 0.25), atol=2e-5, rtol=1e-4)
+
+
+def test_padded_layout_needs_the_prefix_form():
+    rows = packed_rows([2, 3], [5, 7], 40, seed=0)
+    rows[1].meta = AttentionMeta(rows[1].meta.write_slots, 12, torch.ones(3, 12, dtype=torch.bool, device=DEVICE))
+    meta = AttentionMeta(torch.zeros(5, dtype=torch.long, device=DEVICE), 80, rows=rows)
+    assert meta.padded_rows() is None
+
+
+def test_cpu_attend_keeps_the_per_row_loop(monkeypatch):
+    """Without CUDA a packed forward's rows go through the per-row loop (PyTorch's attention, so
+    batched decoding equals single-sequence decoding exactly in float32), never the batched kernel."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the batched kernel ran on the CPU")
+
+    monkeypatch.setattr(tree_attention, "batched_masked_attention", refuse)
+    sizes, prefixes, row_slots = [3, 2], [20, 7], 40
+    rows = packed_rows(sizes, prefixes, row_slots, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 16, generator=gen)
+    k, v = torch.randn(2 * row_slots, 2, 16, generator=gen), torch.randn(2 * row_slots, 2, 16, generator=gen)
+    meta = AttentionMeta(torch.zeros(5, dtype=torch.long), 2 * row_slots, rows=rows)
+    got = attend(q, k, v, meta, 0.25)
+    for row in rows:
+        keys = slice(row.first_slot, row.first_slot + row.meta.kv_len)
+        assert torch.equal(got[row.tokens], attend(q[row.tokens], k[keys], v[keys], row.meta, 0.25))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_cuda_attend_uses_one_batched_launch(monkeypatch):
+    """On CUDA a packed forward whose rows are all in the prefix form is one batched launch; a row
+    in another form (a sliding layer's dense mask) sends the forward back to the per-row loop."""
+    calls = {"batched": 0, "alone": 0}
+    batched, alone = tree_attention.batched_masked_attention, tree_attention.masked_attention
+
+    def count_batched(*args, **kwargs):
+        calls["batched"] += 1
+        return batched(*args, **kwargs)
+
+    def count_alone(*args, **kwargs):
+        calls["alone"] += 1
+        return alone(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention, "batched_masked_attention", count_batched)
+    monkeypatch.setattr(tree_attention, "masked_attention", count_alone)
+    sizes, prefixes, row_slots = [17, 1, 65, 5], [100, 3000, 17, 900], 3200
+    rows = packed_rows(sizes, prefixes, row_slots, seed=2)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(sizes), 32, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    cache = torch.randn(2, 4 * row_slots, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    meta = AttentionMeta(torch.zeros(sum(sizes), dtype=torch.long, device=DEVICE), 4 * row_slots, rows=rows)
+    got = attend(q, cache[0], cache[1], meta, 128**-0.5)
+    assert calls == {"batched": 1, "alone": 0}
+    for row in rows:
+        keys = slice(row.first_slot, row.first_slot + row.meta.kv_len)
+        want = attend(q[row.tokens], cache[0, keys], cache[1, keys], row.meta, 128**-0.5)
+        torch.testing.assert_close(got[row.tokens], want, atol=2e-2, rtol=2e-2)
+    calls.update(batched=0, alone=0)
+    dense = rows[1].meta.dense_mask()
+    rows[1].meta = AttentionMeta(rows[1].meta.write_slots, rows[1].meta.kv_len, dense)
+    attend(q, cache[0], cache[1], AttentionMeta(meta.write_slots, meta.kv_len, rows=rows), 128**-0.5)
+    assert calls == {"batched": 0, "alone": 4}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_qwen3_heads_bf16_and_graph():
+    """Four trees of 65 nodes over prefixes of 100, 3000, 17 and 40000 keys at Qwen3-8B heads in
+    bf16: each row equals float64 attention over its own slots, and a CUDA-graph replay (the
+    prefixes changed in place, as a graph-captured batched round would) equals the eager call."""
+    from ddtree.engine import capture_graph
+
+    m, prefixes = 65, [100, 3000, 17, 40000]
+    q, k, v, first, row_slots = batch_inputs(m, 32, 8, 128, prefixes, torch.bfloat16, seed=7, strided=True, extra=900)
+    blk = block_masks(m, 4, "tree", seed=3)
+    prefix = torch.tensor(prefixes, device=DEVICE)
+
+    def check(got, lengths):
+        for b, p in enumerate(lengths):
+            want = row_reference(q, k, v, blk, p, int(first[b]), b, m, 128**-0.5)
+            torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want, atol=2e-2, rtol=2e-2)
+
+    for _ in range(2):  # many programs race to the arrival counters: every repeat must combine right
+        eager = batched_masked_attention(q, k, v, blk, 128**-0.5, prefix, first, max_kv=row_slots)
+        check(eager, prefixes)
+    graph, out = capture_graph(lambda: batched_masked_attention(q, k, v, blk, 128**-0.5, prefix, first,
+                                                                max_kv=row_slots))
+    graph.replay()
+    assert torch.equal(out, eager)
+    moved = [40500, 64, 2000, 1]
+    prefix.copy_(torch.tensor(moved))
+    graph.replay()
+    check(out, moved)
+    assert torch.equal(out, batched_masked_attention(q, k, v, blk, 128**-0.5, prefix, first, max_kv=row_slots))
