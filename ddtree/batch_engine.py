@@ -11,6 +11,12 @@ prompt's prefill) and leave (`remove`) between rounds; each keeps its own tree s
 seed and generator, so its tokens do not depend on which sequences share its rounds (the tests
 check them against the single-sequence engine in float32).
 
+A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
+ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
+entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
+context, which an `ar` round would not feed: a sequence added with `feeds_drafter` feeds it every
+round, whatever its shape, so that it can draft in any later round.
+
 This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
 state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
 sync per round reads every row's acceptance length, kept tokens and bonus together; requests
@@ -42,6 +48,7 @@ class Sequence:
     params: SamplingParams
     budget: TreeShape
     generator: torch.Generator | None
+    feeds_drafter: bool  # its committed tokens' target features go to the drafter's context
     n: int = 0
     root: int = 0
 
@@ -82,15 +89,17 @@ class BatchEngine:
     # -- joining and leaving -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape) -> tuple[Sequence, Step]:
-        """Prefill `prompt` into a free row -> (its sequence, the step of its first token)."""
+    def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape,
+            feeds_drafter: bool | None = None) -> tuple[Sequence, Step]:
+        """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
+        feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
+        for a sequence whose budget may change (`set_budget`)."""
         if not self._free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
-        if budget.drafts and self.drafter is None:
+        feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
+        if feeds_drafter and self.drafter is None:
             raise ValueError("tree budgets other than 'ar' need a drafter")
-        if budget.nodes(self.block_size) > self.max_nodes:
-            raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
-                             f"this engine holds at most {self.max_nodes}")
+        self._check_nodes(budget)
         if not 0 < len(prompt) < self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context limit of {self.max_model_len}")
         generator = None
@@ -98,7 +107,7 @@ class BatchEngine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         row = self._free_rows.pop()
-        seq = Sequence(row, row * self.row_slots, params, budget, generator)
+        seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
         try:
             logits = self._prefill(seq, prompt)
             first = choose_tokens(logits, params, generator)[0]
@@ -112,6 +121,20 @@ class BatchEngine:
             values = chosen_logprobs(logits, first.reshape(1), params.logprobs)
             logprobs = as_token_logprobs([seq.root], *(t.tolist() for t in values))
         return seq, Step([seq.root], 0, logprobs)
+
+    def set_budget(self, seq: Sequence, budget: TreeShape) -> None:
+        """The tree shape of `seq`'s next rounds (a drafting one only for a sequence that feeds the
+        drafter)."""
+        if budget.drafts and not seq.feeds_drafter:
+            raise ValueError(f"tree budget {budget} drafts, and this sequence was added without the drafter's "
+                             "context (add it with feeds_drafter=True)")
+        self._check_nodes(budget)
+        seq.budget = budget
+
+    def _check_nodes(self, budget: TreeShape) -> None:
+        if budget.nodes(self.block_size) > self.max_nodes:
+            raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
+                             f"this engine holds at most {self.max_nodes}")
 
     def remove(self, seq: Sequence) -> None:
         """The sequence leaves; its row is free for the next `add` (its stale entries are never
@@ -127,7 +150,7 @@ class BatchEngine:
         positions = torch.arange(p, device=self.device)
         alone = AttentionMeta(positions, p, None, causal=True)
         meta = self._packed(positions + seq.first_slot, [(seq, slice(0, p), alone)])
-        taps = self.feature_layers if seq.budget.drafts else None
+        taps = self.feature_layers if seq.feeds_drafter else None
         logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=slice(p - 1, p))
         if features is not None:
             self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
@@ -199,7 +222,7 @@ class BatchEngine:
         write_slots = torch.cat([alone.write_slots + seq.first_slot for seq, _, alone in rows])
         tokens = torch.cat([tree.tokens for tree in trees])
         positions = torch.cat([tree.depths + seq.n for seq, tree in zip(seqs, trees)])
-        taps = self.feature_layers if drafting else None
+        taps = self.feature_layers if any(seq.feeds_drafter for seq in seqs) else None
         logits, features = self.target(tokens, positions, self._packed(write_slots, rows), self.cache, taps)
 
         summaries, kept_logprobs, context = [], {}, []
@@ -211,7 +234,7 @@ class BatchEngine:
             kept = result.order[:keep]
             if tree.size > 1:  # one node's entries are already in place at slot n
                 self.cache.compact(seq.first_slot + seq.n, kept)
-            if seq.budget.drafts:  # the kept nodes' features become the drafter's context
+            if seq.feeds_drafter:  # the kept nodes' features become the drafter's context
                 positions = seq.n + torch.arange(keep, device=self.device)
                 context.append((features[span][kept], positions, positions + seq.first_slot))
             summaries.append(torch.cat([result.length.reshape(1), tree.tokens[kept], result.bonus.reshape(1)]))
@@ -236,5 +259,5 @@ class BatchEngine:
             if id(seq) in kept_logprobs:  # a second sync, for requests that ask for log-probs only
                 values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs[id(seq)])
                 logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
-            steps.append((seq, Step(emitted, a, logprobs)))
+            steps.append((seq, Step(emitted, a, logprobs, seq.budget)))
         return steps
