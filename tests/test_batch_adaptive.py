@@ -152,3 +152,41 @@ def test_an_adaptive_request_needs_a_batch_budget(llm):
     assert isinstance(llm.adapt_batch_budget(costs=synthetic_costs()), BatchBudget)
     llm.batch_budget = None
 
+
+def test_serve_with_batching_and_no_budget_chooses_per_round_and_shows_it(demo_pair):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import LiveServer, metric, metric_values
+
+    def completion(http, prompt, **extra):
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                **extra}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    prompts = ["def fib(n):", "import os\n", "class Stack:", "for i in range("]
+    with LiveServer(*demo_pair, max_model_len=96) as live, live.client() as http:  # no --tree-budget
+        health = http.get("/health").json()
+        assert health["tree_budget_mode"] == "adaptive" and health["max_num_seqs"] > 1
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            chosen = list(pool.map(lambda p: completion(http, p), prompts))
+        named = [completion(http, p, tree_budget="ar") for p in prompts]
+        values = metric_values(http.get("/metrics").text)
+    for reply, fixed in zip(chosen, named):
+        assert reply["choices"][0]["token_ids"] == fixed["choices"][0]["token_ids"]  # lossless, float32
+        stats = reply["ddtree"]
+        assert stats["tree_budget"] == "adaptive" and sum(stats["budget_rounds"].values()) == stats["decode_rounds"]
+    # Every row of every batched round is counted at its budget, by batch size.
+    replies = chosen + named
+    rounds = {}
+    for reply in replies:
+        for budget, count in reply["ddtree"]["budget_rounds"].items():
+            rounds[budget] = rounds.get(budget, 0) + count
+    for budget, count in rounds.items():
+        assert metric(values, "ddtree:batch_rounds_total", tree_budget=budget) == count
+    assert metric(values, "ddtree:batch_rounds_total") == sum(r["ddtree"]["decode_rounds"] for r in replies)
+    drafted = sum(count for budget, count in rounds.items() if budget != "ar")
+    assert metric(values, "vllm:spec_decode_num_drafts_total") == drafted
+    assert {dict(labels)["tree_budget"] for (name, labels), _ in values.items()
+            if name == "ddtree:batch_budget_acceptance"} == {"16", "64"}
