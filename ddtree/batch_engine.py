@@ -14,8 +14,10 @@ check them against the single-sequence engine in float32).
 A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
 ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
 entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
-context, which an `ar` round would not feed: a sequence added with `feeds_drafter` feeds it every
-round, whatever its shape, so that it can draft in any later round.
+context, which an `ar` round would not feed: a sequence added with `feeds_drafter` keeps the
+target features of its `ar` rounds' tokens and hands them to the drafter before it next drafts
+(or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in any later
+round without paying a drafter call per `ar` round.
 
 This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
 state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
@@ -24,7 +26,7 @@ that ask for log-probs add one more.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,8 @@ from ddtree.models.layers import AttentionMeta, RowSpan
 from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
 from ddtree.tree_shape import TreeShape
+
+FEED_EVERY = 64  # tokens of `ar` rounds whose features a sequence gathers before they go to the drafter
 
 
 @dataclass(eq=False)
@@ -51,6 +55,9 @@ class Sequence:
     feeds_drafter: bool  # its committed tokens' target features go to the drafter's context
     n: int = 0
     root: int = 0
+    # Its `ar` rounds' tokens not yet in the drafter's context: (target features [k, F], positions [k],
+    # cache slots [k]) per round.
+    unfed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class BatchEngine:
@@ -200,6 +207,12 @@ class BatchEngine:
             return build_chain(torch.argmax(draft_logits, dim=-1), root)
         return build_tree(F.log_softmax(draft_logits, dim=-1), root, seq.budget.budget)
 
+    def _feed(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Append committed tokens' (target features, positions, slots) to the drafter's context, in one call."""
+        if parts:
+            feats, positions, slots = (torch.cat(p) for p in zip(*parts))
+            self.drafter.append_context(feats, positions, self.draft_cache, slots=slots)
+
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Step]]:
         """One round of every sequence: draft, build, verify (packed), then each sequence's choice,
@@ -208,6 +221,9 @@ class BatchEngine:
         if not seqs:
             return []
         drafting = [s for s in seqs if s.budget.drafts]
+        self._feed([part for seq in drafting for part in seq.unfed])  # their context whole before they draft
+        for seq in drafting:
+            seq.unfed.clear()
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
         trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
 
@@ -236,13 +252,18 @@ class BatchEngine:
                 self.cache.compact(seq.first_slot + seq.n, kept)
             if seq.feeds_drafter:  # the kept nodes' features become the drafter's context
                 positions = seq.n + torch.arange(keep, device=self.device)
-                context.append((features[span][kept], positions, positions + seq.first_slot))
+                fed = (features[span][kept], positions, positions + seq.first_slot)
+                if seq.budget.drafts:
+                    context.append(fed)
+                else:  # until it drafts: one drafter call for many `ar` rounds
+                    seq.unfed.append(fed)
+                    if sum(len(p) for _, p, _ in seq.unfed) >= FEED_EVERY:
+                        context += seq.unfed
+                        seq.unfed = []
             summaries.append(torch.cat([result.length.reshape(1), tree.tokens[kept], result.bonus.reshape(1)]))
             if seq.params.logprobs is not None:  # the target's log-probs of its choices at the kept nodes
                 kept_logprobs[id(seq)] = chosen_logprobs(row_logits[kept], choices[kept], seq.params.logprobs)
-        if context:
-            feats, positions, slots = (torch.cat(parts) for parts in zip(*context))
-            self.drafter.append_context(feats, positions, self.draft_cache, slots=slots)
+        self._feed(context)
 
         # The round's one host sync: every row's acceptance length, kept tokens and bonus.
         flat = torch.cat(summaries).tolist()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from ddtree import batch_engine
 from ddtree.batch_budget import BatchBudget
 from ddtree.batch_engine import BatchEngine
+from ddtree.batching import BatchedRequests
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.round_costs import RoundCost, RoundCostTable, measure_round_costs
@@ -84,13 +86,17 @@ def test_rows_whose_budget_changes_every_round_give_their_solo_greedy_tokens(llm
     assert results[4].token_ids == llm.generate(sampled[0], sampled[1], tree_budget=16).token_ids
 
 
-def test_a_row_drafting_after_ar_rounds_drafts_from_its_whole_context(llm, scripted):
+@pytest.mark.parametrize("feed_every", [64, 3], ids=["fed_at_the_switch", "fed_on_the_way_too"])
+def test_a_row_drafting_after_ar_rounds_drafts_from_its_whole_context(llm, scripted, monkeypatch, feed_every):
     """After k rounds of `ar` a row drafts as a request whose prompt holds those k tokens does:
-    the `ar` rounds fed the drafter's context."""
+    the `ar` rounds' features reached the drafter's context (all at the switch, or some once
+    FEED_EVERY had gathered and the rest at the switch)."""
+    monkeypatch.setattr(batch_engine, "FEED_EVERY", feed_every)
     k = 5
     scripted(lambda r, i: AR if r < k else B16)
     prompt = llm.encode("def quicksort(xs):")
-    result = run(llm.batched(), [(prompt, params(max_tokens=40), B16, True)])[0]
+    fresh = BatchedRequests(llm, max_rows=1, max_nodes=17)  # no stale drafter entries from earlier runs
+    result = run(fresh, [(prompt, params(max_tokens=40), B16, True)])[0]
     assert result.stats.acceptance_lengths[:k] == [1] * k
     later = llm.generate(prompt + result.token_ids[:k], params(max_tokens=40 - k), tree_budget=16)
     assert result.token_ids[k:] == later.token_ids
