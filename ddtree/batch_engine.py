@@ -55,8 +55,8 @@ class Sequence:
     feeds_drafter: bool  # its committed tokens' target features go to the drafter's context
     n: int = 0
     root: int = 0
-    # Its `ar` rounds' tokens not yet in the drafter's context: (target features [k, F], positions [k],
-    # cache slots [k]) per round.
+    # Its `ar` rounds' tokens not yet in the drafter's context: (target features [1, F], position [1],
+    # cache slot [1]) per round.
     unfed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -257,7 +257,7 @@ class BatchEngine:
                     context.append(fed)
                 else:  # until it drafts: one drafter call for many `ar` rounds
                     seq.unfed.append(fed)
-                    if sum(len(p) for _, p, _ in seq.unfed) >= FEED_EVERY:
+                    if len(seq.unfed) >= FEED_EVERY:  # an `ar` round commits one token
                         context += seq.unfed
                         seq.unfed = []
             summaries.append(torch.cat([result.length.reshape(1), tree.tokens[kept], result.bonus.reshape(1)]))
