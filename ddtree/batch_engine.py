@@ -11,6 +11,14 @@ prompt's prefill) and leave (`remove`) between rounds; each keeps its own tree s
 seed and generator, so its tokens do not depend on which sequences share its rounds (the tests
 check them against the single-sequence engine in float32).
 
+A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
+ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
+entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
+context, which an `ar` round would not feed: a sequence added with `feeds_drafter` keeps the
+target features of its `ar` rounds' tokens and hands them to the drafter before it next drafts
+(or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in any later
+round without paying a drafter call per `ar` round.
+
 This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
 state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
 sync per round reads every row's acceptance length, kept tokens and bonus together; requests
@@ -18,7 +26,7 @@ that ask for log-probs add one more.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +39,8 @@ from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
 from ddtree.tree_shape import TreeShape
 
+FEED_EVERY = 64  # tokens of `ar` rounds whose features a sequence gathers before they go to the drafter
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -42,8 +52,12 @@ class Sequence:
     params: SamplingParams
     budget: TreeShape
     generator: torch.Generator | None
+    feeds_drafter: bool  # its committed tokens' target features go to the drafter's context
     n: int = 0
     root: int = 0
+    # Its `ar` rounds' tokens not yet in the drafter's context: (target features [1, F], position [1],
+    # cache slot [1]) per round.
+    unfed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class BatchEngine:
@@ -87,15 +101,17 @@ class BatchEngine:
     # -- joining and leaving -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape) -> tuple[Sequence, Step]:
-        """Prefill `prompt` into a free row -> (its sequence, the step of its first token)."""
+    def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape,
+            feeds_drafter: bool | None = None) -> tuple[Sequence, Step]:
+        """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
+        feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
+        for a sequence whose budget may change (`set_budget`)."""
         if not self._free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
-        if budget.drafts and self.drafter is None:
+        feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
+        if feeds_drafter and self.drafter is None:
             raise ValueError("tree budgets other than 'ar' need a drafter")
-        if budget.nodes(self.block_size) > self.max_nodes:
-            raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
-                             f"this engine holds at most {self.max_nodes}")
+        self._check_nodes(budget)
         if not 0 < len(prompt) < self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context limit of {self.max_model_len}")
         generator = None
@@ -103,7 +119,7 @@ class BatchEngine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         row = self._free_rows.pop()
-        seq = Sequence(row, row * self.row_slots, params, budget, generator)
+        seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
         try:
             logits = self._prefill(seq, prompt)
             first = choose_tokens(logits, params, generator)[0]
@@ -118,6 +134,20 @@ class BatchEngine:
             logprobs = as_token_logprobs([seq.root], *(t.tolist() for t in values))
         return seq, Step([seq.root], 0, logprobs)
 
+    def set_budget(self, seq: Sequence, budget: TreeShape) -> None:
+        """The tree shape of `seq`'s next rounds (a drafting one only for a sequence that feeds the
+        drafter)."""
+        if budget.drafts and not seq.feeds_drafter:
+            raise ValueError(f"tree budget {budget} drafts, and this sequence was added without the drafter's "
+                             "context (add it with feeds_drafter=True)")
+        self._check_nodes(budget)
+        seq.budget = budget
+
+    def _check_nodes(self, budget: TreeShape) -> None:
+        if budget.nodes(self.block_size) > self.max_nodes:
+            raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
+                             f"this engine holds at most {self.max_nodes}")
+
     def remove(self, seq: Sequence) -> None:
         """The sequence leaves; its row is free for the next `add` (its stale entries are never
         read: a sequence reads only slots it has written)."""
@@ -126,9 +156,9 @@ class BatchEngine:
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
         """The prompt's forwards into the row, chunked as `Engine`'s (`prefill_chunks`) -> logits
-        [1, V] of its last token (float32); the drafter's context too, for a sequence that drafts."""
+        [1, V] of its last token (float32); the drafter's context too, for a sequence that feeds it."""
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        taps = self.feature_layers if seq.budget.drafts else None
+        taps = self.feature_layers if seq.feeds_drafter else None
         for rows, alone, last in prefill_chunks(len(prompt), self.prefill_chunk, self.device):
             positions = alone.write_slots
             meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)])
@@ -181,6 +211,12 @@ class BatchEngine:
             return build_chain(torch.argmax(draft_logits, dim=-1), root)
         return build_tree(F.log_softmax(draft_logits, dim=-1), root, seq.budget.budget)
 
+    def _feed(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Append committed tokens' (target features, positions, slots) to the drafter's context, in one call."""
+        if parts:
+            feats, positions, slots = (torch.cat(p) for p in zip(*parts))
+            self.drafter.append_context(feats, positions, self.draft_cache, slots=slots)
+
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Step]]:
         """One round of every sequence: draft, build, verify (packed), then each sequence's choice,
@@ -189,6 +225,9 @@ class BatchEngine:
         if not seqs:
             return []
         drafting = [s for s in seqs if s.budget.drafts]
+        self._feed([part for seq in drafting for part in seq.unfed])  # their context whole before they draft
+        for seq in drafting:
+            seq.unfed.clear()
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
         trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
 
@@ -203,7 +242,7 @@ class BatchEngine:
         write_slots = torch.cat([alone.write_slots + seq.first_slot for seq, _, alone in rows])
         tokens = torch.cat([tree.tokens for tree in trees])
         positions = torch.cat([tree.depths + seq.n for seq, tree in zip(seqs, trees)])
-        taps = self.feature_layers if drafting else None
+        taps = self.feature_layers if any(seq.feeds_drafter for seq in seqs) else None
         logits, features = self.target(tokens, positions, self._packed(write_slots, rows), self.cache, taps)
 
         summaries, kept_logprobs, context = [], {}, []
@@ -215,15 +254,20 @@ class BatchEngine:
             kept = result.order[:keep]
             if tree.size > 1:  # one node's entries are already in place at slot n
                 self.cache.compact(seq.first_slot + seq.n, kept)
-            if seq.budget.drafts:  # the kept nodes' features become the drafter's context
+            if seq.feeds_drafter:  # the kept nodes' features become the drafter's context
                 positions = seq.n + torch.arange(keep, device=self.device)
-                context.append((features[span][kept], positions, positions + seq.first_slot))
+                fed = (features[span][kept], positions, positions + seq.first_slot)
+                if seq.budget.drafts:
+                    context.append(fed)
+                else:  # until it drafts: one drafter call for many `ar` rounds
+                    seq.unfed.append(fed)
+                    if len(seq.unfed) >= FEED_EVERY:  # an `ar` round commits one token
+                        context += seq.unfed
+                        seq.unfed = []
             summaries.append(torch.cat([result.length.reshape(1), tree.tokens[kept], result.bonus.reshape(1)]))
             if seq.params.logprobs is not None:  # the target's log-probs of its choices at the kept nodes
                 kept_logprobs[id(seq)] = chosen_logprobs(row_logits[kept], choices[kept], seq.params.logprobs)
-        if context:
-            feats, positions, slots = (torch.cat(parts) for parts in zip(*context))
-            self.drafter.append_context(feats, positions, self.draft_cache, slots=slots)
+        self._feed(context)
 
         # The round's one host sync: every row's acceptance length, kept tokens and bonus.
         flat = torch.cat(summaries).tolist()
@@ -240,5 +284,5 @@ class BatchEngine:
             if id(seq) in kept_logprobs:  # a second sync, for requests that ask for log-probs only
                 values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs[id(seq)])
                 logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
-            steps.append((seq, Step(emitted, a, logprobs)))
+            steps.append((seq, Step(emitted, a, logprobs, seq.budget)))
         return steps

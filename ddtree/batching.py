@@ -8,14 +8,20 @@ request's output (stop rules, text, statistics, log-probs) as `LLM.stream` gives
 
 A request that finishes (stop rule or max_tokens) leaves the batch in the `step` that finishes it;
 `cancel` removes one between steps (a client that went away).
+
+A request added with `adaptive=True` has its tree budget chosen before every round by the LLM's
+`batch_budget` (ddtree.batch_budget), from the whole batch; the others keep theirs, and every
+drafting row's acceptance teaches the choice.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree.batch_budget import BatchRow
 from ddtree.batch_engine import BatchEngine, Sequence
 from ddtree.config import SamplingParams
 from ddtree.llm import RequestProgress, StreamEvent
+from ddtree.temperature_buckets import bucket_of
 from ddtree.tree_shape import TreeShape
 
 
@@ -23,7 +29,11 @@ from ddtree.tree_shape import TreeShape
 class BatchedRequest:
     sequence: Sequence
     progress: RequestProgress
-    budget: TreeShape
+    adaptive: bool  # its budget is chosen each round (sequence.budget: the current one)
+
+    @property
+    def temperature_bucket(self) -> str:
+        return bucket_of(self.sequence.params.temperature).name
 
 
 class BatchedRequests:
@@ -41,12 +51,17 @@ class BatchedRequests:
         """How many more requests can join now."""
         return self.engine.free_rows
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape) -> tuple[BatchedRequest, StreamEvent]:
+    def add(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
+            adaptive: bool = False) -> tuple[BatchedRequest, StreamEvent]:
         """Prefill a validated request (`LLM.check_request`) -> (its handle, its first event). A
-        request finished by its first token is not kept: its event has the result."""
-        progress = self.llm.progress(prompt_ids, params, budget)
-        sequence, step = self.engine.add(prompt_ids, params, budget)
-        request = BatchedRequest(sequence, progress, budget)
+        request finished by its first token is not kept: its event has the result. adaptive: its
+        budget is chosen each round (`budget` is then only its start; needs the LLM's batch_budget)."""
+        if adaptive and self.llm.batch_budget is None:
+            raise ValueError("an adaptive request needs the LLM's batch_budget")
+        progress = self.llm.progress(prompt_ids, params, budget, adaptive)
+        feeds_drafter = adaptive or budget.drafts  # an adaptive row may draft in any round
+        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter)
+        request = BatchedRequest(sequence, progress, adaptive)
         event = progress.add(step)
         if event is None:
             self.engine.remove(sequence)
@@ -56,10 +71,18 @@ class BatchedRequests:
 
     def step(self) -> list[tuple[BatchedRequest, StreamEvent]]:
         """One round of every running request -> each one's event (with .result when it finished)."""
+        chooser = self.llm.batch_budget
+        if chooser is not None and any(r.adaptive for r in self.running):
+            rows = [BatchRow(r.temperature_bucket, r.sequence.n, None if r.adaptive else r.sequence.budget)
+                    for r in self.running]
+            for request, budget in zip(self.running, chooser.choose(rows)):
+                self.engine.set_budget(request.sequence, budget)
         by_sequence = {id(r.sequence): r for r in self.running}
         events = []
         for sequence, step in self.engine.step():
             request = by_sequence[id(sequence)]
+            if chooser is not None:
+                chooser.observe(request.temperature_bucket, sequence.budget, step.acceptance_length)
             event = request.progress.add(step)
             if event is None:
                 self._leave(request)

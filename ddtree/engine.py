@@ -100,11 +100,13 @@ def prefill_chunks(length: int, chunk: int, device) -> list[tuple[slice, Attenti
 class Step:
     """What one step committed: `tokens` (new output tokens, in order) and the round's acceptance
     length (accepted tree nodes, root included; 0 for the prefill step); with params.logprobs set,
-    the target's log-prob of each token (ddtree.logprobs)."""
+    the target's log-prob of each token (ddtree.logprobs). `budget`: the round's tree shape, set by
+    the batched engine, where a request's budget may change from round to round."""
 
     tokens: list[int]
     acceptance_length: int
     logprobs: list[TokenLogprob] | None = None
+    budget: TreeShape | None = None
 
 
 class RoundBuffers:

@@ -15,6 +15,8 @@ from typing import Iterator, Union
 
 import torch
 
+from ddtree.batch_budget import BatchBudget
+from ddtree.budget_selector import CANDIDATES
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
 from ddtree.engine import PREFILL_CHUNK, Engine, Step
 from ddtree.logprobs import TokenLogprob
@@ -25,11 +27,13 @@ from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
+from ddtree.round_costs import measure_round_costs
 from ddtree.temperature_buckets import bucket_of
 from ddtree.tree_shape import AR, TreeShape
 from ddtree.working_set import BudgetWorkingSet
 
 DEFAULT_TREE_BUDGET = TreeShape.best(64)
+ADAPTIVE = "adaptive"  # the budget label of a request whose budget its batch chooses each round
 Prompt = Union[str, list[int], dict]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 log = logging.getLogger("ddtree")
@@ -37,8 +41,9 @@ log = logging.getLogger("ddtree")
 
 @dataclass
 class GenerationStats:
-    tree_budget: str
+    tree_budget: str  # its label, or "adaptive" for a request whose budget its batch chose each round
     decode_rounds: int = 0
+    budget_rounds: dict[str, int] = field(default_factory=dict)  # decode rounds per tree budget label
     acceptance_lengths: list[int] = field(default_factory=list)
     mean_acceptance_length: float = 0.0
     tokens_per_second: float = 0.0  # generated tokens / wall time from request start to the last token
@@ -81,10 +86,11 @@ class RequestProgress:
     statistics and log-probs; the same for a request decoded alone or in a batch."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape, eos_token_ids: list[int],
-                 decode):
+                 decode, adaptive: bool = False):
         self.prompt_ids = prompt_ids
+        self.budget = budget
         self.out = OutputBuilder(params, eos_token_ids, decode)
-        self.stats = GenerationStats(tree_budget=budget.label)
+        self.stats = GenerationStats(tree_budget=ADAPTIVE if adaptive else budget.label)
         self.start = time.perf_counter()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.taken: list[int] = []
@@ -100,6 +106,8 @@ class RequestProgress:
         if step.acceptance_length:
             self.stats.decode_rounds += 1
             self.stats.acceptance_lengths.append(step.acceptance_length)
+            label = (step.budget or self.budget).label
+            self.stats.budget_rounds[label] = self.stats.budget_rounds.get(label, 0) + 1
         else:
             self.stats.time_to_first_token_s = time.perf_counter() - self.start
         self.taken = self.out.add(step.tokens)
@@ -175,8 +183,12 @@ class LLM:
         # --tree-budget auto: the budget per temperature bucket (ddtree.temperature_buckets), else None
         self.auto_budgets: dict[str, TreeShape] | None = None
         # Without auto_budgets: picks the budget of requests that name none from their measured speed
-        # (ddtree.budget_selector; `ddtree serve` without --tree-budget sets one).
+        # (ddtree.budget_selector; `ddtree serve` without --tree-budget and one request at a time sets one).
         self.budget_selector = None
+        # A ddtree.batch_budget.BatchBudget: requests that name no budget and decode in a batch get
+        # theirs from it every round (`ddtree serve` without --tree-budget and with batching sets one;
+        # `adapt_batch_budget`).
+        self.batch_budget = None
 
         cfg = TargetConfig.from_dir(self.target_path)
         limit = context_limit(cfg, max_model_len)
@@ -282,6 +294,26 @@ class LLM:
             return self.default_budget
         return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
 
+    def adapts(self, tree_budget: object) -> bool:
+        """Whether a request naming `tree_budget` has its budget chosen per round when it decodes
+        in a batch: it names none and this LLM has a batch_budget."""
+        return tree_budget is None and self.batch_budget is not None and self.max_num_seqs > 1
+
+    def adapt_batch_budget(self, candidates: tuple[TreeShape, ...] | None = None, costs=None,
+                           log=None) -> BatchBudget:
+        """From now on, requests that name no budget and decode in a batch get theirs each round
+        from the batch (ddtree.batch_budget) among `candidates` (default ar, 16, 64), priced by
+        `costs` (a `RoundCostTable`; default: measured now on the batched engine, a few seconds on
+        a CPU). -> the BatchBudget."""
+        if self.drafter is None:
+            raise DDTreeError("an adaptive tree budget needs a drafter", "tree_budget")
+        candidates = tuple(candidates or CANDIDATES)
+        batch = self.batched(max(b.nodes(self.block_size) for b in candidates))
+        if costs is None:
+            costs = measure_round_costs(batch.engine, list(candidates), log=log)
+        self.batch_budget = BatchBudget(costs, self.block_size, candidates)
+        return self.batch_budget
+
     def _budget(self, tree_budget: object, temperature: float = 0.0, context_tokens: int = 0) -> TreeShape:
         """The request's tree budget (None: the default for its temperature), refused when it needs a
         missing drafter."""
@@ -330,10 +362,11 @@ class LLM:
             steps.close()
         yield progress.final_event()
 
-    def progress(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape) -> "RequestProgress":
+    def progress(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
+                 adaptive: bool = False) -> "RequestProgress":
         """A request's output tracker (stop rules, text, statistics), started now."""
         decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
-        return RequestProgress(prompt_ids, params, budget, self.eos_token_ids, decode)
+        return RequestProgress(prompt_ids, params, budget, self.eos_token_ids, decode, adaptive)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  tree_budget: object = None) -> GenerationResult | list[GenerationResult]:
@@ -361,7 +394,7 @@ class LLM:
             except DDTreeError as exc:
                 raise DDTreeError(f"prompt {index}: {exc}", exc.param) from None
         if self.max_num_seqs > 1 and len(ids) > 1:
-            return self._generate_batched(ids, per_prompt, budgets)
+            return self._generate_batched(ids, per_prompt, budgets, self.adapts(tree_budget))
         return [self._generate_one(i, p, b) for i, p, b in zip(ids, per_prompt, budgets)]
 
     def batched(self, max_nodes: int | None = None):
@@ -377,9 +410,12 @@ class LLM:
             self._batch = BatchedRequests(self, self.max_num_seqs, max_nodes)
         return self._batch
 
-    def _generate_batched(self, ids: list[list[int]], params: list[SamplingParams],
-                          budgets: list[TreeShape]) -> list[GenerationResult]:
-        """Checked requests through `batched`, joining as rows free up; results in prompt order."""
+    def _generate_batched(self, ids: list[list[int]], params: list[SamplingParams], budgets: list[TreeShape],
+                          adaptive: bool) -> list[GenerationResult]:
+        """Checked requests through `batched`, joining as rows free up; results in prompt order.
+        adaptive: their budgets are chosen each round (`batch_budget`)."""
+        if adaptive:
+            budgets = budgets + list(self.batch_budget.candidates)  # every shape the rows may take
         batch = self.batched(max(budget.nodes(self.block_size) for budget in budgets))
         results: list[GenerationResult | None] = [None] * len(ids)
         index_of: dict[int, int] = {}
@@ -387,7 +423,7 @@ class LLM:
         while waiting or batch.running:
             while waiting and batch.free:
                 i = waiting.pop(0)
-                request, event = batch.add(ids[i], params[i], budgets[i])
+                request, event = batch.add(ids[i], params[i], budgets[i], adaptive)
                 if event.result is not None:
                     results[i] = event.result
                 else:

@@ -1,6 +1,7 @@
-"""benchmarks/batch_budgets.py at a tiny scale on the CPU: every (budget, rows) cell is written, and a
-budget's acceptance is the same one request at a time and batched (each request decodes the same
-tokens with the same trees, whoever shares its rounds)."""
+"""benchmarks/batch_budgets.py and batch_budgets_adaptive.py at a tiny scale on the CPU: every
+(budget, rows) cell is written, and a budget's acceptance is the same one request at a time and
+batched (each request decodes the same tokens with the same trees, whoever shares its rounds);
+every adaptive and fixed mode is written with the budgets its rounds ran."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from server_process import quiet_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,3 +28,20 @@ def test_batch_budgets_writes_every_cell(tmp_path):
     for (t, b, r), cell in cells.items():
         assert cell["mean_acceptance_length"] == cells[(t, b, 1)]["mean_acceptance_length"]
     assert cells[(0.0, "ar", 3)]["mean_acceptance_length"] == 1.0 < cells[(0.0, "16", 3)]["mean_acceptance_length"]
+
+
+def test_batch_budgets_adaptive_writes_every_mode_with_the_budgets_chosen(tmp_path):
+    out = tmp_path / "adaptive.json"
+    cmd = [sys.executable, "-m", "benchmarks.batch_budgets_adaptive", str(out), "--budgets", "ar,16",
+           "--concurrency", "1,3", "--requests", "3", "--max-tokens", "8", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {(s["concurrency"], s["mode"]): s for s in result["summary"]}
+    assert set(rows) == {(c, m) for c in (1, 3) for m in ("adaptive", "adaptive-warm", "ar", "16")}
+    assert all(s["identical_outputs"] and s["median_tokens_per_second"] > 0 for s in rows.values())
+    assert rows[(3, "ar")]["round_shares"] == {"ar": 1.0}
+    assert set(rows[(3, "adaptive")]["round_shares"]) <= {"ar", "16"}
+    assert sum(rows[(1, "adaptive")]["round_shares"].values()) == pytest.approx(1.0)
+    measured = {(p["rows"], p["budget"]) for p in result["round_costs"]}
+    assert measured == {(r, b) for r in (1, 2, 3) for b in ("ar", "16")}

@@ -42,6 +42,23 @@ def test_live_sweep_of_four_budgets_over_eight_prompts(server, tmp_path, capsys)
     assert result["recommendation"]["tree_budget"] in ("ar", "chain", 4, 16)
 
 
+def test_the_servers_own_choice_is_a_budget_and_its_rounds_are_reported(server, tmp_path, capsys):
+    out = tmp_path / "server.json"
+    code = main(["bench", "--base-url", server.url, "--api-key", API_KEY, "--tree-budgets", "ar,server",
+                 "--concurrency", "1,4", "--num-prompts", "4", "--max-tokens", "12", "--output", str(out),
+                 "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "server at concurrency 1: rounds at" in printed and "server at concurrency 4: rounds at" in printed
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tree_budget"], r["concurrency"]) for r in rows] == [("ar", 1), ("server", 1), ("ar", 4), ("server", 4)]
+    for row in rows:
+        assert row["completed"] == 4 and row["parity_ok"] is True
+        assert sum(row["budget_rounds"].values()) == row["decode_rounds"] * 4
+    assert rows[0]["budget_rounds"] == {"ar": rows[0]["decode_rounds"] * 4}
+    assert set(rows[1]["budget_rounds"]) <= {"ar", "16", "64"}  # the batch's per-round choice
+
+
 def test_acceptance_from_metrics_equals_the_responses(server, monkeypatch):
     """For servers without our `ddtree` statistics: /metrics counter deltas give the same acceptance."""
     import asyncio

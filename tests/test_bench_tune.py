@@ -176,3 +176,27 @@ def test_interrupted_tune_writes_what_it_measured(demo_pair, tmp_path, monkeypat
     assert record["interrupted"] is True and record["median_tokens_per_second"]["1"].keys() == {"ar"}
     assert record["recommendations"][0]["tree_budget"] == AR
     assert "interrupted: 1 of 3 runs measured" in printed and "tune file written" in printed
+
+
+def test_tune_with_max_num_seqs_stores_the_round_costs_a_batching_server_reads(demo_pair, tmp_path):
+    from ddtree.bench.tune import resolve_round_costs
+    from ddtree.round_costs import RoundCostTable
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(demo_pair[1], drafter, ignore=shutil.ignore_patterns(TUNE_FILE))
+    code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter), "--device", "cpu",
+                 "--tree-budgets", "ar,8", "--num-prompts", "2", "--max-tokens", "8", "--sampled-seconds", "1",
+                 "--max-num-seqs", "2", "--max-model-len", "512", "--no-progress"])
+    assert code == 0
+    table = RoundCostTable.from_json(read_tune_file(drafter / TUNE_FILE)["round_costs"])
+    # Contexts 64 and 1024, the second cut to what 512 tokens leave room for (two rounds of 16).
+    assert {(p.context, p.rows, p.budget) for p in table.points} == {
+        (c, r, b) for c in (64, 512 - 33) for r in (1, 2) for b in ("ar", "16", "64")}
+    budgets = [AR, TreeShape.best(16), TreeShape.best(64)]
+    lines = []
+    llm = LLM(demo_pair[0], drafter, device="cpu", max_model_len=512, max_num_seqs=2)
+    assert resolve_round_costs(llm, budgets, log=lines.append).to_json() == table.to_json()
+    assert "round costs from" in lines[-1]
+    llm.max_num_seqs = 3  # more rows than the file measured: timed now
+    assert resolve_round_costs(llm, budgets, log=lines.append).max_rows == 3
+    assert "measured round costs up to 2 rows, not 3" in lines[-1]

@@ -1,5 +1,6 @@
 """The server's default tree budget, chosen per temperature bucket from the decode speed measured
-while serving (ddtree.budget_selector), and `ddtree serve` without --tree-budget using it."""
+while serving (ddtree.budget_selector), and `ddtree serve` without --tree-budget, one request at a
+time, using it (with batching the batch chooses: tests/test_batch_adaptive.py)."""
 from __future__ import annotations
 
 import threading
@@ -116,7 +117,7 @@ def test_constructor_refuses_no_candidates():
 
 @pytest.fixture(scope="module")
 def default_server(demo_pair):
-    with LiveServer(*demo_pair, max_model_len=96) as live:  # no --tree-budget
+    with LiveServer(*demo_pair, "--max-num-seqs", "1", max_model_len=96) as live:  # no --tree-budget
         yield live
 
 

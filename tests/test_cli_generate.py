@@ -19,8 +19,8 @@ from ddtree import LLM, SamplingParams
 from ddtree.cli import main
 from tiny_models import make_drafter, make_target
 
-STATS_KEYS = {"tree_budget", "decode_rounds", "mean_acceptance_length", "acceptance_lengths", "tokens_per_second",
-              "time_to_first_token_s"}
+STATS_KEYS = {"tree_budget", "decode_rounds", "budget_rounds", "mean_acceptance_length", "acceptance_lengths",
+              "tokens_per_second", "time_to_first_token_s"}
 TOP_KEYS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "stats"}
 MAX_POS = 128
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from ddtree.config import DDTreeError, SamplingParams
 from ddtree.llm import LLM
 from ddtree.server.app import create_app
-from ddtree.server.metrics import ServerMetrics
+from ddtree.server.metrics import ServerMetrics, batch_size_bucket
 from ddtree.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error_body
 from ddtree.server.worker import EngineWorker, Job
 from ddtree.tree_shape import AR, CHAIN, TreeShape
@@ -235,15 +235,31 @@ def test_validation_errors_name_the_field():
 
 def test_round_counters():
     metrics = ServerMetrics("m")
-    metrics.record_rounds([1, 3, 2], drafted_per_round=4)
-    metrics.record_rounds([5], drafted_per_round=0)  # "ar": no drafts
+    metrics.record_rounds([1, 3, 2], draft_tokens=12)
+    metrics.record_rounds([1], draft_tokens=0, ar_rounds=1)  # "ar": no drafts
+    # A request whose batch chose per round: two "ar" rounds (length 1) among three drafted ones.
+    metrics.record_rounds([1, 4, 1, 1, 2], draft_tokens=3 * 16, ar_rounds=2)
     values = metric_values(metrics.render()[0].decode())
-    assert metric(values, "vllm:spec_decode_num_drafts_total") == 3
-    assert metric(values, "vllm:spec_decode_num_draft_tokens_total") == 12
-    assert metric(values, "vllm:spec_decode_num_accepted_tokens_total") == 3
-    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2
-    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
-    assert metric(values, "ddtree:acceptance_length_count") == 3
+    assert metric(values, "vllm:spec_decode_num_drafts_total") == 3 + 3
+    assert metric(values, "vllm:spec_decode_num_draft_tokens_total") == 12 + 48
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_total") == 3 + 4
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2 + 2
+    assert metric(values, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1 + 1
+    assert metric(values, "ddtree:acceptance_length_count") == 3 + 3
+
+
+def test_batch_round_counters():
+    metrics = ServerMetrics("m")
+    metrics.record_batch_round([AR, AR, TreeShape.best(16)])
+    metrics.record_batch_round([AR])
+    metrics.set_batch_acceptance({("greedy", "16"): 4.5})
+    values = metric_values(metrics.render()[0].decode())
+    assert metric(values, "ddtree:batch_rounds_total", tree_budget="ar", batch_size="3-4") == 2
+    assert metric(values, "ddtree:batch_rounds_total", tree_budget="16", batch_size="3-4") == 1
+    assert metric(values, "ddtree:batch_rounds_total", tree_budget="ar", batch_size="1") == 1
+    assert metric(values, "ddtree:batch_budget_acceptance", temperature_bucket="greedy", tree_budget="16") == 4.5
+    assert [batch_size_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
+        "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "9-16", "17-32"]
 
 
 def test_auto_tree_budget_is_measured_and_reported(demo_pair, monkeypatch):

@@ -105,8 +105,9 @@ sys.exit(main(sys.argv[1:]))
 
 def test_engine_failure_is_503_on_health_before_exit_1(demo_pair):
     delay = 3.0
-    server = LiveServer(*demo_pair, "--failure-exit-delay", str(delay), "--log-level", "info", api_key=None,
-                        launcher=("-c", FAILING_ENGINE)).wait_ready()
+    # A fixed budget: no round costs are timed at start-up, whose rounds would meet the failure.
+    server = LiveServer(*demo_pair, "--failure-exit-delay", str(delay), "--log-level", "info", "--tree-budget", "16",
+                        api_key=None, launcher=("-c", FAILING_ENGINE)).wait_ready()
     try:
         failed = httpx.post(server.url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8}, timeout=60)
         failed_at = time.monotonic()
@@ -155,7 +156,8 @@ sys.exit(main(sys.argv[1:]))
 def test_a_hung_engine_is_503_stalled_then_ends_its_requests_and_exits_1(demo_pair):
     stall_exit = 4.0
     server = LiveServer(*demo_pair, "--engine-stall-timeout", "1", "--engine-stall-exit", str(stall_exit),
-                        "--log-level", "info", api_key=None, launcher=("-c", HUNG_ENGINE)).wait_ready()
+                        "--log-level", "info", "--tree-budget", "16", api_key=None,  # as above
+                        launcher=("-c", HUNG_ENGINE)).wait_ready()
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             sent_at = time.monotonic()

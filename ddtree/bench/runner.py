@@ -17,10 +17,34 @@ import httpx
 from ddtree.bench.datasets import BenchPrompt
 from ddtree.bench.report import AcceptanceCounts, RequestOutput
 from ddtree.config import DDTreeError, SamplingParams
-from ddtree.tree_shape import TreeShape
+from ddtree.tree_shape import TreeShape, shape_json
 
 DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
 ACCEPTED_COUNTER = "vllm:spec_decode_num_accepted_tokens"
+
+
+@dataclass(frozen=True)
+class ServerChoice:
+    """The sweep's `server` budget: its requests name no tree_budget, so a live server decodes them
+    at its own (its --tree-budget; without one, its measured or per-round choice). It answers what
+    the sweep asks of a TreeShape."""
+
+    label = "server"
+    drafts = True  # it may: compared with ar like a tree
+    builds_tree = False  # no node count to plot or to prune by
+    budget = 0
+    json_value = None  # nothing sent
+
+    def __str__(self) -> str:
+        return self.label
+
+
+SERVER_CHOICE = ServerChoice()
+
+
+def bench_json(value: object) -> object:
+    """`json.dumps(..., default=bench_json)`: shapes as their JSON value, the server's choice as "server"."""
+    return value.label if isinstance(value, ServerChoice) else shape_json(value)
 
 
 @dataclass
@@ -115,6 +139,7 @@ class OfflineBackend:
         out.output_tokens = len(result.token_ids)
         out.decode_rounds = result.stats.decode_rounds
         out.accepted_tokens = sum(result.stats.acceptance_lengths)
+        out.budget_rounds = dict(result.stats.budget_rounds)
         out.success = True
         return out
 
@@ -227,7 +252,9 @@ class LiveBackend:
 
     def _body(self, prompt: BenchPrompt, budget: TreeShape, params: SamplingParams) -> dict:
         body = {"model": self.model, "max_tokens": params.max_tokens, "temperature": params.temperature,
-                "stream": True, "stream_options": {"include_usage": True}, "tree_budget": budget.json_value}
+                "stream": True, "stream_options": {"include_usage": True}}
+        if budget.json_value is not None:
+            body["tree_budget"] = budget.json_value
         if params.top_p != 1.0:
             body["top_p"] = params.top_p
         if params.seed is not None:
@@ -307,6 +334,9 @@ class LiveBackend:
         if not isinstance(rounds, int):
             return
         out.decode_rounds = rounds
+        by_budget = stats.get("budget_rounds")
+        if isinstance(by_budget, dict):
+            out.budget_rounds = {str(b): int(n) for b, n in by_budget.items() if isinstance(n, int)}
         lengths = stats.get("acceptance_lengths")
         if isinstance(lengths, list):
             out.accepted_tokens = int(sum(lengths))

@@ -72,6 +72,17 @@ FULL_COLUMNS = (
 )
 
 
+def budgets_line(row: dict) -> str | None:
+    """'server at concurrency 8: rounds at ar 93%, 16 7%' for a row whose rounds ran budgets other
+    than its own (the server chose them); None otherwise."""
+    rounds = row.get("budget_rounds") or {}
+    if not rounds or set(rounds) == {str(row["tree_budget"])}:
+        return None
+    total = sum(rounds.values())
+    shares = ", ".join(f"{budget} {count / total:.0%}" for budget, count in rounds.items())
+    return f"{row['tree_budget']} at concurrency {row['concurrency']}: rounds at {shares}"
+
+
 def columns_for(full: bool) -> tuple[Column, ...]:
     return FULL_COLUMNS if full else COMPACT_COLUMNS
 

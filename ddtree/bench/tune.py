@@ -4,6 +4,11 @@
 file, by default `<draft_dir>/ddtree_tune.json`. `resolve_auto_budget` (behind
 `ddtree serve --tree-budget auto`) reads that file when it was made on this device for this
 target/drafter pair, and otherwise runs a calibration of at most `time_limit_s` seconds.
+
+With `--max-num-seqs N` the file also holds the batched engine's round costs for 1..N rows at
+`ROUND_COST_CONTEXTS` (ddtree.round_costs), which `resolve_round_costs` (behind the adaptive batch
+budget of `ddtree serve` without --tree-budget) reads instead of measuring one short context at
+start-up.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from ddtree.bench.machine import device_name, git_revision, model_fingerprint
 from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
+from ddtree.round_costs import RoundCostTable, measure_round_costs
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
 from ddtree.tree_shape import AR, CHAIN, TreeShape, shape_json
 
@@ -29,6 +35,7 @@ CALIBRATION_MAX_TOKENS = 64
 CALIBRATION_WARMUP_TOKENS = 8
 ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise
 CALIBRATION_PROMPT_TOKENS = 32  # length of the synthetic prompts used when the target has no tokenizer
+ROUND_COST_CONTEXTS = (64, 1024)  # committed tokens per row at which tune times batched rounds
 
 
 def tune_file_path(draft_dir: str | Path) -> Path:
@@ -313,6 +320,45 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
     picks = {name: picks.get(name, budget) for name in BUCKET_NAMES}
     log("tree budget auto by temperature: " + _picks_line(picks))
     return picks
+
+
+def measure_tune_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None] = print) -> list[dict]:
+    """The tune file's `round_costs`: batched rounds of 1..max_num_seqs rows timed at
+    ROUND_COST_CONTEXTS (each cut to what the context limit leaves room for)."""
+    return measure_round_costs(_batch_engine(llm, budgets), budgets, contexts=list(ROUND_COST_CONTEXTS),
+                               log=log).to_json()
+
+
+def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None] = print) -> RoundCostTable:
+    """The round costs of the adaptive batch budget: the tune file's (beside the drafter) when
+    `ddtree tune --max-num-seqs` measured them on this device for this pair with at least
+    max_num_seqs rows, else measured now at one short context (a few seconds on a CPU)."""
+    path = tune_file_path(llm.draft_path)
+    reason = f"no tune file at {path}"
+    if path.is_file():
+        try:
+            record = read_tune_file(path)
+            reason = mismatch(record, llm)
+            if reason is None and "round_costs" not in record:
+                reason = f"{path} holds no round costs (`ddtree tune --max-num-seqs N` measures them)"
+            if reason is None:
+                table = RoundCostTable.from_json(record["round_costs"])
+                if table.max_rows >= llm.max_num_seqs:
+                    log(f"batch budget: round costs from {path} (tuned {record.get('created', '?')})")
+                    return table
+                reason = f"{path} measured round costs up to {table.max_rows} rows, not {llm.max_num_seqs}"
+        except (DDTreeError, ValueError) as exc:
+            reason = f"{path}: {exc}"
+    start = time.perf_counter()
+    table = measure_round_costs(_batch_engine(llm, budgets), budgets)
+    log(f"batch budget: {reason}; measured round costs for 1..{llm.max_num_seqs} rows at "
+        f"{', '.join(map(str, budgets))} in {time.perf_counter() - start:.1f} s")
+    return table
+
+
+def _batch_engine(llm, budgets: list[TreeShape]):
+    """The LLM's batched engine, made to hold every budget's tree."""
+    return llm.batched(max(b.nodes(llm.block_size) for b in budgets)).engine
 
 
 def _picks_line(picks: dict[str, TreeShape]) -> str:

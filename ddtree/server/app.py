@@ -309,9 +309,9 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             prepare_slots.append(anyio.CapacityLimiter(PREPARE_THREADS))
         return await anyio.to_thread.run_sync(prepare, limiter=prepare_slots[0])
 
-    def submit(request: Request, prompt_ids: list[int], params, budget) -> Job:
+    def submit(request: Request, prompt_ids: list[int], params, budget, adaptive: bool) -> Job:
         job = Job(prompt_ids, params, budget, asyncio.get_running_loop(),
-                  request_id=request.scope["state"].get("request_id", "-"))
+                  request_id=request.scope["state"].get("request_id", "-"), adaptive=adaptive)
         worker.submit(job)
         return job
 
@@ -327,7 +327,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
-        job = submit(request, prompt_ids, params, budget)
+        job = submit(request, prompt_ids, params, budget, llm.adapts(body.tree_budget))
         reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.completion_chunks(job))
@@ -344,7 +344,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
         prompt_ids, params, budget = await prepared(prepare)
-        job = submit(request, prompt_ids, params, budget)
+        job = submit(request, prompt_ids, params, budget, llm.adapts(body.tree_budget))
         reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
             return sse(reply.chat_chunks(job))

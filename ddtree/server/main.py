@@ -129,7 +129,9 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
 
         candidates = tuple(b for b in CANDIDATES
                            if not b.builds_tree or max_tree_budget is None or b.budget <= max_tree_budget)
-        if len(candidates) > 1:
+        if len(candidates) > 1 and llm.max_num_seqs > 1:
+            _adapt_batch_budget(llm, candidates, max_tree_budget)
+        if len(candidates) > 1 and llm.batch_budget is None:
             llm.budget_selector = OnlineBudgetSelector(candidates)
             log.info("tree budget: requests that name none get the fastest of %s for their temperature, as "
                      "measured while serving (--tree-budget N or auto fixes it)", ", ".join(map(str, candidates)))
@@ -143,6 +145,25 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
         log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", ", ".join(map(str, budgets)),
                  time.perf_counter() - start, graphs)
     return llm
+
+
+def _adapt_batch_budget(llm, candidates: tuple[TreeShape, ...], max_tree_budget: int | None) -> None:
+    """Requests that name no budget get theirs each round from the batch (ddtree.batch_budget),
+    priced by the tune file's round costs or by costs measured now; with a context too short to
+    time rounds in, nothing (the per-request selector then chooses)."""
+    from ddtree.bench.tune import resolve_round_costs
+
+    # The batched engine the worker will step (as large as its largest tree): costs are timed on it.
+    largest = [llm.default_budget, *candidates, *([TreeShape.best(max_tree_budget)] if max_tree_budget else [])]
+    llm.batched(max(b.nodes(llm.block_size) for b in largest))
+    try:
+        llm.adapt_batch_budget(candidates, resolve_round_costs(llm, list(candidates), log=log.info))
+    except ValueError as exc:
+        log.warning("tree budget: no batch-level choice (%s)", exc)
+        return
+    log.info("tree budget: requests that name none get, each round, whichever of %s gives the batch the most "
+             "tokens/s, from its measured round costs and the acceptance seen so far (--tree-budget N or auto "
+             "fixes it)", ", ".join(map(str, candidates)))
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:
@@ -221,7 +242,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             llm = _load(args, budget, warmup, limits.max_tree_budget)
-            worker.attach(llm, "auto" if budget == "auto" else "adaptive" if llm.budget_selector else "fixed")
+            adaptive = llm.budget_selector is not None or llm.batch_budget is not None
+            worker.attach(llm, "auto" if budget == "auto" else "adaptive" if adaptive else "fixed")
             log.info("serving %r on http://%s:%d", name, args.host, args.port)
             if limits.engine_stall_exit > 0:
                 threading.Thread(target=watch_for_a_stall, name="ddtree-stall-watch", daemon=True).start()

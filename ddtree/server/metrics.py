@@ -5,6 +5,10 @@ Per decode round with a tree (any budget but "ar"), with acceptance length `a` (
 num_drafts += 1, num_draft_tokens += tree nodes drafted, num_accepted_tokens += a - 1 and
 num_accepted_tokens_per_pos{position=i} += 1 for every i < a - 1. Mean acceptance length is
 therefore 1 + accepted / drafts, as vLLM defines it.
+
+Batched decoding adds `ddtree:batch_rounds_total{tree_budget, batch_size}`: per round, one count
+per row at that row's budget, labelled with the round's batch size bucket (1, 2, 3-4, 5-8, ...),
+which shows the budgets an adaptive batch chose at each load.
 """
 from __future__ import annotations
 
@@ -15,6 +19,14 @@ from ddtree.tree_shape import TreeShape
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
 ACCEPTANCE_BUCKETS = tuple(range(1, 17)) + (24, 32, 64)
+
+
+def batch_size_bucket(rows: int) -> str:
+    """"1", "2", "3-4", "5-8", "9-16", ...: the power-of-two bucket of a batch size."""
+    if rows <= 2:
+        return str(rows)
+    upper = 1 << (rows - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
 
 
 class ServerMetrics:
@@ -61,6 +73,14 @@ class ServerMetrics:
                                 "GPU memory of the model's device after the last request (cuda only), as the "
                                 "caching allocator counts it: allocated or reserved",
                                 m + ["kind"], registry=r)
+        self.batch_rounds = Counter("ddtree:batch_rounds",
+                                    "Batched decoding: rows decoded per round, by the row's tree budget and the "
+                                    "round's batch size bucket", m + ["tree_budget", "batch_size"], registry=r)
+        self.batch_acceptance = Gauge(
+            "ddtree:batch_budget_acceptance",
+            "Adaptive batch budgets: the acceptance length expected per round at each candidate budget and "
+            "temperature bucket (observed, with an optimistic prior for untried budgets)",
+            m + ["temperature_bucket", "tree_budget"], registry=r)
         self.acceptance_length = Histogram("ddtree:acceptance_length",
                                            "Acceptance length per drafted round (bonus token counted)", m,
                                            buckets=ACCEPTANCE_BUCKETS, registry=r)
@@ -95,21 +115,36 @@ class ServerMetrics:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
 
-    def record_rounds(self, acceptance_lengths: list[int], drafted_per_round: int) -> None:
-        """Spec-decode counters for one request's rounds; nothing for "ar" (drafted_per_round == 0)."""
-        if drafted_per_round == 0 or not acceptance_lengths:
+    def record_rounds(self, acceptance_lengths: list[int], draft_tokens: int, ar_rounds: int = 0) -> None:
+        """Spec-decode counters for one request's rounds: `ar_rounds` of them decoded with "ar" (a = 1,
+        nothing drafted), the others drafted `draft_tokens` tree nodes in all."""
+        drafted = list(acceptance_lengths)
+        for _ in range(ar_rounds):  # an "ar" round's length is 1: drop as many 1s
+            if 1 in drafted:
+                drafted.remove(1)
+        if draft_tokens == 0 or not drafted:
             return
         name = self.model_name
-        self.num_drafts.labels(name).inc(len(acceptance_lengths))
-        self.num_draft_tokens.labels(name).inc(drafted_per_round * len(acceptance_lengths))
-        self.num_accepted_tokens.labels(name).inc(sum(a - 1 for a in acceptance_lengths))
+        self.num_drafts.labels(name).inc(len(drafted))
+        self.num_draft_tokens.labels(name).inc(draft_tokens)
+        self.num_accepted_tokens.labels(name).inc(sum(a - 1 for a in drafted))
         reached: dict[int, int] = {}
-        for a in acceptance_lengths:
+        for a in drafted:
             self.acceptance_length.labels(name).observe(a)
             for position in range(a - 1):
                 reached[position] = reached.get(position, 0) + 1
         for position, count in reached.items():
             self.accepted_per_pos.labels(name, str(position)).inc(count)
+
+    def record_batch_round(self, budgets: list[TreeShape]) -> None:
+        """One batched round, whose rows decoded at these budgets."""
+        size = batch_size_bucket(len(budgets))
+        for budget in budgets:
+            self.batch_rounds.labels(self.model_name, budget.label, size).inc()
+
+    def set_batch_acceptance(self, expected: dict[tuple[str, str], float]) -> None:
+        for (temperature_bucket, budget), value in expected.items():
+            self.batch_acceptance.labels(self.model_name, temperature_bucket, budget).set(value)
 
     def record_request(self, *, prompt_tokens: int, output_tokens: int, finish_reason: str,
                        ttft_s: float | None, e2e_s: float, first_to_last_s: float | None) -> None:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ddtree.config import DDTreeError, SamplingParams
+from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.server.metrics import ServerMetrics
 from ddtree.temperature_buckets import bucket_of
 from ddtree.tree_shape import TreeShape
@@ -58,6 +58,7 @@ class Job:
     budget: TreeShape
     loop: asyncio.AbstractEventLoop
     request_id: str = "-"
+    adaptive: bool = False  # its budget is chosen each round by the batch (`budget`: only its start)
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -270,9 +271,9 @@ class EngineWorker:
         the server's own budgets."""
         b = self.llm.block_size
         budgets = [self.llm.default_budget, *(getattr(self.llm, "auto_budgets", None) or {}).values()]
-        selector = getattr(self.llm, "budget_selector", None)
-        if selector is not None:
-            budgets += list(selector.candidates)
+        for chooser in (getattr(self.llm, "budget_selector", None), getattr(self.llm, "batch_budget", None)):
+            if chooser is not None:
+                budgets += list(chooser.candidates)
         if self.max_tree_budget is not None:
             budgets.append(TreeShape.best(self.max_tree_budget))
         return max(budget.nodes(b) for budget in budgets)
@@ -321,6 +322,7 @@ class EngineWorker:
                 runs.clear()
                 continue
             self._progress_at = time.monotonic()
+            self.metrics.record_batch_round([request.sequence.budget for request, _ in events])
             for request, event in events:
                 run = runs[id(request)][1]
                 if self._deliver(run, event):
@@ -330,7 +332,7 @@ class EngineWorker:
                 if run.job.cancelled.is_set():
                     batch.cancel(request)
                     del runs[key]
-                    self._record_abort(run)
+                    self._record_abort(run, request.progress.stats.budget_rounds)
                     self._finish(run.job)
 
     def _join(self, batch, job: Job, runs: dict) -> None:
@@ -338,7 +340,7 @@ class EngineWorker:
         self._start(job)
         run = JobRun(job)
         try:
-            request, event = batch.add(job.prompt_ids, job.params, job.budget)
+            request, event = batch.add(job.prompt_ids, job.params, job.budget, job.adaptive)
         except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
             job.emit(exc)
             self._finish(job)
@@ -358,17 +360,24 @@ class EngineWorker:
         that a client that has its answer sees them)."""
         run.saw(event)
         if event.result is not None:
-            self._record(run.job, event.result.stats.acceptance_lengths, len(event.result.token_ids),
+            stats = event.result.stats
+            self._record(run.job, stats.acceptance_lengths, stats.budget_rounds, len(event.result.token_ids),
                          event.result.finish_reason, run.first_token_at, run.last_token_at)
         run.job.emit(event)
         return event.result is not None
 
-    def _record_abort(self, run: "JobRun") -> None:
-        self._record(run.job, run.acceptance_lengths, run.tokens, "abort", run.first_token_at, run.last_token_at)
+    def _record_abort(self, run: "JobRun", budget_rounds: dict[str, int] | None = None) -> None:
+        """budget_rounds: the job's rounds per budget (default: all at its own budget)."""
+        budget_rounds = budget_rounds or {run.job.budget.label: len(run.acceptance_lengths)}
+        self._record(run.job, run.acceptance_lengths, budget_rounds, run.tokens, "abort", run.first_token_at,
+                     run.last_token_at)
 
-    def _record(self, job: Job, acceptance_lengths: list[int], output_tokens: int, finish_reason: str,
-                first_token_at: float | None, last_token_at: float | None) -> None:
-        self.metrics.record_rounds(acceptance_lengths, self.drafted_per_round(job.budget))
+    def _record(self, job: Job, acceptance_lengths: list[int], budget_rounds: dict[str, int], output_tokens: int,
+                finish_reason: str, first_token_at: float | None, last_token_at: float | None) -> None:
+        """budget_rounds: the job's decode rounds per budget label (several for an adaptive job)."""
+        shapes = {parse_tree_budget(label): rounds for label, rounds in budget_rounds.items()}
+        self.metrics.record_rounds(acceptance_lengths, sum(r * self.drafted_per_round(b) for b, r in shapes.items()),
+                                   sum(r for b, r in shapes.items() if not b.drafts))
         ttft = None if first_token_at is None else first_token_at - job.arrival
         span = None if first_token_at is None or last_token_at is None else last_token_at - first_token_at
         self.metrics.record_request(prompt_tokens=len(job.prompt_ids), output_tokens=output_tokens,
@@ -380,6 +389,9 @@ class EngineWorker:
             selector.observe(bucket_of(job.params.temperature).name, job.budget, output_tokens - 1, span,
                              len(job.prompt_ids))
             self.metrics.set_budget_estimates(selector.estimates())
+        chooser = getattr(self.llm, "batch_budget", None)
+        if chooser is not None:
+            self.metrics.set_batch_acceptance(chooser.estimates())
 
     def _update_budget_gauge(self) -> None:
         working_set = getattr(self.llm, "working_set", None)

@@ -1,0 +1,160 @@
+"""Seconds per batched round on this device: the cost side of the batch's budget choice
+(ddtree.batch_budget).
+
+A `BatchEngine` round costs more with more rows, more verified tokens and a longer context, in
+proportions only a measurement on the device knows (on the 2-core CPU with the demo pair, a round
+of 8 rows at budget 64 costs over 10x one of 8 `ar` rows; 1 row at 64, 5x one `ar` row). The table
+holds the median time of a few rounds at a grid: contexts x rows x tree budgets, every row of a
+measured round at the same budget. It prices any round by interpolation:
+
+- in verify tokens per row (root included), piecewise-linear between the measured budgets' node
+  counts; a round that mixes budgets is priced at its mean, which counts the drafter pass of the
+  drafting rows in proportion to their tokens (an approximation: a drafter pass is per row);
+- then in rows, linear between the measured row counts;
+- then in context (mean committed tokens per row), linear between the measured contexts.
+
+Beyond the largest measured value of each, the last segment's slope carries on (never falling);
+below the smallest, the smallest's value holds. Each (context, rows) line is made non-decreasing
+in tokens (a running maximum), so that timing noise never makes a larger tree look cheaper.
+
+`measure_round_costs` times rounds of dummy prompts on the engine itself (a few seconds on the CPU
+at one context); `ddtree tune` stores a table in its tune file (`to_json` / `from_json`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ddtree.config import SamplingParams
+from ddtree.tree_shape import TreeShape
+
+ROUNDS_PER_POINT = 3  # timed rounds per grid point, after one untimed round
+STARTUP_CONTEXT = 64  # the context measured when no other is asked for
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """One measured grid point: `rows` rows of `context` committed tokens, each verifying
+    `tokens_per_row` tokens (the `budget`'s nodes), took `seconds` per round (median)."""
+
+    context: int
+    rows: int
+    budget: str
+    tokens_per_row: int
+    seconds: float
+
+
+class RoundCostTable:
+    def __init__(self, points: list[RoundCost]):
+        if not points:
+            raise ValueError("a round-cost table needs at least one measured point")
+        self.points = list(points)
+        grid: dict[int, dict[int, dict[int, float]]] = {}
+        for p in points:
+            grid.setdefault(p.context, {}).setdefault(p.rows, {})[p.tokens_per_row] = p.seconds
+        # context -> rows -> [(tokens per row, seconds)], seconds non-decreasing in tokens
+        self._grid = {c: {r: _running_max(sorted(line.items())) for r, line in by_rows.items()}
+                      for c, by_rows in grid.items()}
+
+    @property
+    def max_rows(self) -> int:
+        return max(p.rows for p in self.points)
+
+    def seconds(self, rows: int, verify_tokens: int, context: float) -> float:
+        """Expected seconds of one round of `rows` rows verifying `verify_tokens` tokens in all."""
+        per_row = verify_tokens / rows
+        by_context = [(c, _interpolate([(r, _interpolate(line, per_row)) for r, line in sorted(by_rows.items())], rows))
+                      for c, by_rows in sorted(self._grid.items())]
+        return _interpolate(by_context, context)
+
+    def to_json(self) -> list[dict]:
+        return [vars(p).copy() for p in self.points]
+
+    @classmethod
+    def from_json(cls, data: object) -> RoundCostTable:
+        """A table from `to_json`'s list; ValueError names what is wrong with it."""
+        if not isinstance(data, list):
+            raise ValueError("round costs must be a list of measured points")
+        try:
+            points = [RoundCost(int(d["context"]), int(d["rows"]), str(d["budget"]), int(d["tokens_per_row"]),
+                                float(d["seconds"])) for d in data]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"a round-cost point is malformed: {exc}") from None
+        if any(p.rows < 1 or p.tokens_per_row < 1 or p.context < 0 or not p.seconds > 0 for p in points):
+            raise ValueError("a round-cost point has a count below 1 or a time that is not positive")
+        return cls(points)
+
+
+def _running_max(line: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    out, top = [], 0.0
+    for x, y in line:
+        top = max(top, y)
+        out.append((x, top))
+    return out
+
+
+def _interpolate(line: list[tuple[float, float]], x: float) -> float:
+    """y at x on the piecewise-linear line through `line` (sorted by x): the first y below the
+    first point, the last segment's slope (never falling) beyond the last."""
+    if len(line) == 1 or x <= line[0][0]:
+        return line[0][1]
+    for (x0, y0), (x1, y1) in zip(line, line[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = line[-2], line[-1]
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """The measured row counts: powers of two below max_rows, and max_rows."""
+    counts, r = [], 1
+    while r < max_rows:
+        counts.append(r)
+        r *= 2
+    return counts + [max_rows]
+
+
+def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None = None,
+                        contexts: list[int] = (STARTUP_CONTEXT,), rounds: int = ROUNDS_PER_POINT,
+                        log: Callable[[str], None] | None = None) -> RoundCostTable:
+    """Time up to `rounds` rounds (after an untimed one) of `engine` (a `BatchEngine` with no
+    sequences) at every context x row count x budget, on dummy greedy prompts -> the table of
+    medians. rows: default every `row_counts` up to the engine's rows. A context is cut to leave
+    room for two rounds; the rounds stop early where the context limit leaves no room for another."""
+    if engine.sequences:
+        raise RuntimeError("round costs are measured on an engine with no sequences")
+    rows = rows or row_counts(engine.free_rows)
+    block = max(engine.block_size, 1)  # the most tokens one round commits
+    longest = engine.max_model_len - 2 * block - 1
+    if longest < 1:
+        raise ValueError(f"a context limit of {engine.max_model_len} tokens leaves no room to time rounds")
+    params = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
+    vocab = engine.target.config.vocab_size
+    feeds = engine.drafter is not None  # as a row whose budget the batch chooses
+    points = []
+    for context in sorted({min(c, longest) for c in contexts}):
+        for count in rows:
+            for budget in budgets:
+                seqs = [engine.add(_dummy_prompt(context, i, vocab), params, budget, feeds)[0] for i in range(count)]
+                try:
+                    times = []
+                    while len(times) <= rounds and max(s.n for s in seqs) + block <= engine.max_model_len:
+                        start = time.perf_counter()
+                        engine.step()
+                        times.append(time.perf_counter() - start)
+                finally:
+                    for seq in seqs:
+                        engine.remove(seq)
+                points.append(RoundCost(context, count, budget.label, budget.nodes(engine.block_size),
+                                        statistics.median(times[1:])))
+                if log is not None:
+                    log(f"round cost: context {context}, {count} rows at {budget}: {points[-1].seconds * 1000:.1f} ms")
+    return RoundCostTable(points)
+
+
+def _dummy_prompt(length: int, row: int, vocab: int) -> list[int]:
+    """Distinct token ids per row, past the special ids at the start of a vocabulary."""
+    low = min(16, vocab // 2)
+    return [low + (row * 7919 + j * 104729) % (vocab - low) for j in range(length)]

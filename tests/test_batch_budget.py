@@ -1,0 +1,146 @@
+"""The batch-level budget choice (ddtree.batch_budget) and its round-cost table
+(ddtree.round_costs), on synthetic costs and acceptance: no model, no timing."""
+from __future__ import annotations
+
+import pytest
+
+from ddtree.batch_budget import AcceptanceStats, BatchBudget, BatchRow
+from ddtree.round_costs import RoundCost, RoundCostTable, row_counts
+from ddtree.tree_shape import AR, CHAIN, TreeShape
+
+B16, B64 = TreeShape.best(16), TreeShape.best(64)
+BLOCK = 16
+
+
+def table(seconds, rows=(1, 2, 4, 8), budgets=(AR, B16, B64), contexts=(64,)) -> RoundCostTable:
+    """A table whose round at (context, rows, budget) takes seconds(context, rows, nodes)."""
+    return RoundCostTable([RoundCost(c, r, b.label, b.nodes(BLOCK), seconds(c, r, b.nodes(BLOCK)))
+                           for c in contexts for r in rows for b in budgets])
+
+
+def weights_bound(c, rows, nodes):
+    """A big model on a fast device: a round is its weights pass; verify tokens are nearly free."""
+    return 0.020 + 0.00001 * rows * nodes
+
+
+def compute_bound(c, rows, nodes):
+    """A small device: every verified token costs as much as a tenth of the weights pass."""
+    return 0.002 + 0.0002 * rows * nodes
+
+
+def chooser(seconds, acceptance: dict[TreeShape, float], bucket="greedy") -> BatchBudget:
+    """A chooser that has already seen many rounds at each budget, with these mean lengths."""
+    budget = BatchBudget(table(seconds), BLOCK)
+    for shape, mean in acceptance.items():
+        for _ in range(400):
+            budget.observe(bucket, shape, mean)
+    return budget
+
+
+SEEN = {B16: 4, B64: 6}  # mean acceptance lengths at T = 0
+
+
+def test_a_few_rows_on_cheap_tokens_get_the_big_tree():
+    chosen = chooser(weights_bound, SEEN).choose([BatchRow("greedy", 100)] * 2)
+    assert chosen == [B64, B64]
+
+
+def test_tokens_that_cost_get_ar_for_a_full_batch_and_a_tree_alone():
+    budget = chooser(compute_bound, SEEN)
+    assert budget.choose([BatchRow("greedy", 100)] * 8) == [AR] * 8
+    # Alone, a tree's tokens are cheap beside the round's fixed cost: 16 pays, 64 does not.
+    assert budget.choose([BatchRow("greedy", 100)]) == [B16]
+
+
+def test_rows_that_named_a_budget_keep_it_and_weigh_in_the_cost():
+    budget = chooser(weights_bound, SEEN)
+    rows = [BatchRow("greedy", 100, CHAIN), BatchRow("greedy", 100), BatchRow("greedy", 100, AR)]
+    chosen = budget.choose(rows)
+    assert chosen[0] == CHAIN and chosen[2] == AR and chosen[1] == B64
+    assert budget.choose([BatchRow("greedy", 100, B16)] * 3) == [B16] * 3
+
+
+def test_rows_of_other_temperatures_get_their_own_budgets():
+    budget = chooser(lambda c, r, n: 0.004 + 0.00002 * r * n, SEEN)
+    for _ in range(400):  # at T = 1 the drafter's guesses rarely match
+        budget.observe("t>0.8", B16, 1.1)
+        budget.observe("t>0.8", B64, 1.2)
+    chosen = budget.choose([BatchRow("greedy", 50), BatchRow("t>0.8", 50), BatchRow("greedy", 50)])
+    assert chosen[0] == chosen[2] != AR and chosen[1] == AR
+
+
+def picks_over_rounds(seconds, rows: int, rounds: int = 12) -> list[TreeShape]:
+    """The shared budget of `rows` greedy rows, round after round, as each round's acceptance
+    (16: 4 tokens, 64: 6) is observed."""
+    budget = BatchBudget(table(seconds), BLOCK)
+    batch = [BatchRow("greedy", 100)] * rows
+    picks = []
+    for _ in range(rounds):
+        chosen = budget.choose(batch)
+        assert len(set(chosen)) == 1  # same temperature, same lengths: one budget for all
+        picks.append(chosen[0])
+        for shape in chosen:
+            budget.observe("greedy", shape, {AR: 1, B16: 4, B64: 6}[shape])
+    assert budget.choose(batch) == budget.choose(batch)  # deterministic
+    return picks
+
+
+def test_untried_budgets_are_tried_while_their_best_case_wins_and_dropped_once_measured():
+    # Every tree starts at its best case (each drafted token accepted): 16 is tried first, found
+    # to lose to ar under this load and never chosen again; 64 loses even at its best, so it is
+    # never tried.
+    picks = picks_over_rounds(compute_bound, rows=8)
+    assert picks[0] == B16 and B64 not in picks and picks[-8:] == [AR] * 8
+    # With cheap tokens both trees are tried, and the measured better one stays.
+    picks = picks_over_rounds(weights_bound, rows=2, rounds=16)
+    assert picks[0] == B16 and B64 in picks and picks[-6:] == [B64] * 6
+
+
+def test_acceptance_prior_and_window():
+    stats = AcceptanceStats(BLOCK, prior_rounds=2, window=40)
+    assert stats.best_case(AR) == 1 and stats.best_case(CHAIN) == 16
+    assert stats.best_case(B16) == 16 and stats.best_case(TreeShape.best(3)) == 4
+    assert stats.expected("greedy", B64) == 16 and stats.expected("greedy", AR) == 1
+    stats.observe("greedy", B64, 4)
+    assert stats.expected("greedy", B64) == pytest.approx((2 * 16 + 4) / 3)
+    for _ in range(100):
+        stats.observe("greedy", B64, 2)
+    # Beyond the window older rounds fade (the 4 is all but gone); the prior keeps its weight.
+    assert stats.expected("greedy", B64) == pytest.approx((2 * 16 + 40 * 2) / 42, abs=0.02)
+    assert stats.buckets() == ["greedy"]
+
+
+def test_cost_table_interpolates_tokens_rows_and_context():
+    costs = table(lambda c, r, n: 0.001 * r * n + 0.00001 * c, rows=(1, 4), contexts=(100, 300))
+    assert costs.max_rows == 4
+    assert costs.seconds(1, 17, 100) == pytest.approx(0.017 + 0.001)
+    # A mixed round of 4 rows (two at 16, two at ar) is priced at its mean tokens per row, 9.
+    assert costs.seconds(4, 2 * 17 + 2 * 1, 100) == pytest.approx(0.036 + 0.001)
+    assert costs.seconds(2, 2 * 65, 100) == pytest.approx(0.130 + 0.001)  # rows 2: between 1 and 4
+    assert costs.seconds(1, 1, 200) == pytest.approx(0.001 + 0.002)  # context: between 100 and 300
+    assert costs.seconds(1, 1, 500) == pytest.approx(0.001 + 0.005)  # beyond: the last slope
+    assert costs.seconds(1, 1, 10) == pytest.approx(0.001 + 0.001)  # below: the shortest's
+    assert costs.seconds(8, 8 * 65, 100) == pytest.approx(0.520 + 0.001)  # more rows: the last slope
+
+
+def test_cost_table_never_prices_a_bigger_tree_below_a_smaller_one():
+    noisy = RoundCostTable([RoundCost(64, 1, "ar", 1, 0.010), RoundCost(64, 1, "16", 17, 0.050),
+                            RoundCost(64, 1, "64", 65, 0.040)])
+    assert noisy.seconds(1, 65, 64) == pytest.approx(0.050)
+    assert noisy.seconds(1, 40, 64) == pytest.approx(0.050)
+
+
+def test_cost_table_json_round_trip_and_refusals():
+    costs = table(weights_bound)
+    again = RoundCostTable.from_json(costs.to_json())
+    assert again.seconds(3, 3 * 30, 64) == costs.seconds(3, 3 * 30, 64)
+    for bad in ({"rows": 1}, [{"context": 1}], [{"context": 1, "rows": 0, "budget": "ar", "tokens_per_row": 1,
+                                                  "seconds": 0.1}]):
+        with pytest.raises(ValueError):
+            RoundCostTable.from_json(bad)
+    with pytest.raises(ValueError):
+        RoundCostTable([])
+
+
+def test_row_counts():
+    assert row_counts(1) == [1] and row_counts(8) == [1, 2, 4, 8] and row_counts(6) == [1, 2, 4, 6]
