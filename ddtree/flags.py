@@ -110,6 +110,15 @@ def top_k_value(text: str) -> int:
     return max(value, 0)
 
 
+def token_counts(text: str) -> list[int]:
+    """A comma-separated list of token counts, each >= 1 (`ddtree tune --contexts`)."""
+    what = "expected comma-separated token counts (integers >= 1)"
+    values = [_integer(part.strip(), what) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise DDTreeError(f"{what}, got {text!r}")
+    return values
+
+
 def model_directory(text: str) -> Path:
     """A model folder that exists (what is inside is checked when it loads)."""
     path = Path(text).expanduser()
@@ -122,4 +131,5 @@ DEVICE = _flag_type(parse_device, "device")
 PORT = _flag_type(port_number, "port")
 POSITIVE_NUMBER = _flag_type(positive_number, "positive number")
 TOP_K = _flag_type(top_k_value, "top-k")
+TOKEN_COUNTS = _flag_type(token_counts, "token counts")
 MODEL_DIRECTORY = _flag_type(model_directory, "model directory")

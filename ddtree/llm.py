@@ -16,7 +16,7 @@ from typing import Iterator, Union
 import torch
 
 from ddtree.batch_budget import BatchBudget
-from ddtree.budget_selector import CANDIDATES
+from ddtree.budget_selector import CANDIDATES, context_bucket
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
 from ddtree.engine import PREFILL_CHUNK, Engine, Step
 from ddtree.logprobs import TokenLogprob
@@ -182,6 +182,9 @@ class LLM:
                 raise needs_drafter_error(self.default_budget)
         # --tree-budget auto: the budget per temperature bucket (ddtree.temperature_buckets), else None
         self.auto_budgets: dict[str, TreeShape] | None = None
+        # --tree-budget auto with a tune file that measured long contexts: the budget per context
+        # bucket (ddtree.budget_selector.context_bucket), a cap on the temperature bucket's pick
+        self.auto_context_budgets: dict[str, TreeShape] = {}
         # Without auto_budgets: picks the budget of requests that name none from their measured speed
         # (ddtree.budget_selector; `ddtree serve` without --tree-budget and one request at a time sets one).
         self.budget_selector = None
@@ -286,13 +289,19 @@ class LLM:
 
     def budget_for(self, temperature: float, context_tokens: int = 0) -> TreeShape:
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
-        temperature bucket's pick, else the budget selector's choice for that bucket, else the
-        default."""
+        temperature bucket's pick, or its context bucket's pick when that is the smaller tree (the
+        temperature picks are measured on short prompts, the context picks greedily: each caps the
+        tree where its measurement says a larger one does not pay); else the budget selector's
+        choice for its buckets; else the default."""
         if self.auto_budgets is None:
             if self.budget_selector is not None:
                 return self.budget_selector.choose(bucket_of(temperature).name, context_tokens)
             return self.default_budget
-        return self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
+        pick = self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
+        cap = self.auto_context_budgets.get(context_bucket(context_tokens))
+        if cap is not None and cap.nodes(self.block_size) < pick.nodes(self.block_size):
+            return cap
+        return pick
 
     def adapts(self, tree_budget: object) -> bool:
         """Whether a request naming `tree_budget` has its budget chosen per round when it decodes

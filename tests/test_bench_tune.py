@@ -13,12 +13,15 @@ from ddtree.bench.tune import (
     TUNE_FILE,
     calibrate,
     pick_for_concurrency,
+    _calibration_prompts,
     read_tune_file,
     resolve_auto_budget,
+    resolve_context_budgets,
     write_tune_file,
 )
 from ddtree.cli import main
 from ddtree.config import DDTreeError
+from ddtree.flags import token_counts
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
 
@@ -41,7 +44,7 @@ def tuned(demo_pair, drafter_copy):
     """Run `ddtree tune` once with its default output (beside the drafter)."""
     code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter_copy), "--device", "cpu",
                  "--tree-budgets", "ar,chain,8", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "1,2",
-                 "--sampled-seconds", "2", "--no-progress"])
+                 "--sampled-seconds", "2", "--contexts", "1024", "--context-seconds", "2", "--no-progress"])
     assert code == 0
     return drafter_copy / TUNE_FILE
 
@@ -68,6 +71,45 @@ def test_tune_measures_every_temperature_bucket(tuned):
         measured = entry["median_tokens_per_second"]
         assert measured[str(entry["tree_budget"])] == max(measured.values())
         assert set(entry["mean_acceptance_length"]) <= set(measured) and entry["mean_acceptance_length"]["ar"] == 1.0
+
+
+def test_tune_measures_a_context_length(tuned):
+    """--contexts 1024: a greedy calibration after 1024-token prompts, filed under its context
+    bucket, its pick the fastest budget it measured."""
+    entry = read_tune_file(tuned)["by_context"]["ctx<=2k"]
+    assert entry["context_tokens"] == 1024 and entry["source"] == "calibration"
+    measured = entry["median_tokens_per_second"]
+    assert measured[str(entry["tree_budget"])] == max(measured.values())
+
+
+def test_auto_context_budgets_cap_the_temperature_pick(llm, tuned, drafter_copy):
+    lines: list[str] = []
+    assert resolve_context_budgets(llm, drafter_copy, log=lines.append) == {
+        "ctx<=2k": read_tune_file(tuned)["by_context"]["ctx<=2k"]["tree_budget"]}
+    assert any("by context" in line for line in lines)
+    saved = llm.auto_budgets, llm.auto_context_budgets
+    try:
+        llm.auto_budgets = {"greedy": TreeShape.best(64), "t>0.8": AR}
+        llm.auto_context_budgets = {"ctx<=8k": TreeShape.best(16), "ctx>32k": TreeShape.best(256)}
+        assert llm.budget_for(0.0, 100) == TreeShape.best(64)  # no pick for ctx<=2k
+        assert llm.budget_for(0.0, 5000) == TreeShape.best(16)  # the context's smaller tree
+        assert llm.budget_for(1.0, 5000) == AR  # the temperature's smaller tree
+        assert llm.budget_for(0.0, 50000) == TreeShape.best(64)  # a larger cap changes nothing
+    finally:
+        llm.auto_budgets, llm.auto_context_budgets = saved
+
+
+def test_calibration_prompts_of_a_context_length(llm):
+    prompts = _calibration_prompts(llm, 8, 1500)
+    assert len(prompts) == 4 and all(len(p) == 1500 for p in prompts) and len({tuple(p) for p in prompts}) == 4
+    assert all(len(p) == llm.max_model_len - 8 for p in _calibration_prompts(llm, 8, 10**6))  # capped by the room
+
+
+def test_token_counts_flag():
+    assert token_counts("8192, 32768") == [8192, 32768]
+    for bad in ("", "0", "8k", "-5"):
+        with pytest.raises(DDTreeError):
+            token_counts(bad)
 
 
 def test_auto_uses_a_matching_tune_file(llm, tuned, drafter_copy):

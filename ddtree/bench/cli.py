@@ -12,7 +12,7 @@ from typing import Callable
 
 from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError, parse_tree_budget
-from ddtree.flags import POSITIVE_NUMBER, int_at_least
+from ddtree.flags import POSITIVE_NUMBER, TOKEN_COUNTS, int_at_least
 from ddtree.tree_shape import TreeShape
 
 DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
@@ -21,6 +21,9 @@ QUICK = {"num_prompts": 8, "max_tokens": 128, "tree_budgets": "ar,chain,16,32,64
 # ddtree tune: seconds of calibration per sampled temperature bucket (three buckets), after the greedy sweep.
 SAMPLED_SECONDS = 40.0
 QUICK_SAMPLED_SECONDS = 12.0
+# ddtree tune: seconds of calibration per context length (--contexts), after the temperature buckets.
+CONTEXT_SECONDS = 30.0
+QUICK_CONTEXT_SECONDS = 10.0
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "max_model_len")
 
 
@@ -290,6 +293,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     record = {**tune_record(llm, report, settings, args.dataset, len(prompts)), **sweep_facts(sweep)}
     record["settings"]["quick"] = args.quick
     record["by_temperature"] = by_temperature(args, llm, report, settings, sweep.interrupted, view)
+    if not sweep.interrupted:
+        record["by_context"] = by_context(args, llm, settings, view)
     if args.max_num_seqs is not None and not sweep.interrupted:
         record["round_costs"] = round_costs(llm, view)
     path = write_tune_file(record, output)
@@ -317,6 +322,22 @@ def by_temperature(args, llm, report: dict, settings, interrupted: bool, view) -
     entries.update(measure_buckets(llm, seconds, settings.tree_budgets, skip=(own,),
                                    log=lambda line: view.note(line, "none")))
     return entries
+
+
+def by_context(args, llm, settings, view) -> dict:
+    """The tune file's per-context-bucket results: greedy calibrations of --context-seconds after
+    prompts of each --contexts length (default: the context buckets' bounds past 2048 that fit)."""
+    from ddtree.bench.tune import measure_contexts, tune_contexts
+
+    contexts = args.contexts if args.contexts is not None else tune_contexts(llm, settings.max_tokens)
+    contexts = [c for c in contexts if c + settings.max_tokens <= llm.max_model_len]
+    if not contexts:
+        view.note("no context length to measure beyond the sweep's prompts (pass --contexts)", "none")
+        return {}
+    seconds = args.context_seconds or (QUICK_CONTEXT_SECONDS if args.quick else CONTEXT_SECONDS)
+    view.note(f"measuring greedy decoding after prompts of {', '.join(map(str, contexts))} tokens, "
+              f"{seconds:g} s each", "none")
+    return measure_contexts(llm, seconds, contexts, settings.tree_budgets, log=lambda line: view.note(line, "none"))
 
 
 def round_costs(llm, view) -> list[dict]:
@@ -354,6 +375,12 @@ def register(subparsers) -> None:
     tune.add_argument("--sampled-seconds", type=POSITIVE_NUMBER, default=None,
                       help=f"seconds of measurement per sampled temperature bucket (default {SAMPLED_SECONDS:g}; "
                            f"--quick: {QUICK_SAMPLED_SECONDS:g})")
+    tune.add_argument("--contexts", type=TOKEN_COUNTS, default=None,
+                      help="comma-separated prompt lengths at which to calibrate greedy decoding too, for "
+                           "--tree-budget auto's per-context cap (default: 8192,32768 where they fit)")
+    tune.add_argument("--context-seconds", type=POSITIVE_NUMBER, default=None,
+                      help=f"seconds of measurement per context length (default {CONTEXT_SECONDS:g}; "
+                           f"--quick: {QUICK_CONTEXT_SECONDS:g})")
     tune.add_argument("--output", default=None,
                       help="tune file to write (default: ddtree_tune.json beside the drafter)")
     tune.add_argument("--max-num-seqs", type=int_at_least(2), default=None,

@@ -23,6 +23,7 @@ from ddtree.bench.datasets import stdlib_prompts
 from ddtree.bench.machine import device_name, git_revision, model_fingerprint
 from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
+from ddtree.budget_selector import CONTEXT_BUCKETS, context_bucket
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.round_costs import RoundCostTable, measure_round_costs
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
@@ -35,6 +36,7 @@ CALIBRATION_MAX_TOKENS = 64
 CALIBRATION_WARMUP_TOKENS = 8
 ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise
 CALIBRATION_PROMPT_TOKENS = 32  # length of the synthetic prompts used when the target has no tokenizer
+CALIBRATION_LONG_PROMPTS = 4  # distinct prompts of a context length calibration (each costs a long prefill)
 ROUND_COST_CONTEXTS = (64, 1024)  # committed tokens per row at which tune times batched rounds
 
 
@@ -108,10 +110,13 @@ def read_tune_file(path: str | Path) -> dict:
     by_temperature = record.get("by_temperature", {})  # absent from files made before the buckets
     if not isinstance(by_temperature, dict):
         raise DDTreeError(f"tune file {path}: by_temperature is not an object")
-    for name, entry in by_temperature.items():
-        if not isinstance(entry, dict) or "tree_budget" not in entry:
-            raise DDTreeError(f"tune file {path}: temperature bucket {name!r} lacks its tree_budget")
-        entry["tree_budget"] = parse_tree_budget(entry["tree_budget"])
+    for kind, entries in (("temperature", by_temperature), ("context", record.get("by_context", {}))):
+        if not isinstance(entries, dict):
+            raise DDTreeError(f"tune file {path}: by_{kind} is not an object")
+        for name, entry in entries.items():
+            if not isinstance(entry, dict) or "tree_budget" not in entry:
+                raise DDTreeError(f"tune file {path}: {kind} bucket {name!r} lacks its tree_budget")
+            entry["tree_budget"] = parse_tree_budget(entry["tree_budget"])
     return record
 
 
@@ -171,23 +176,69 @@ def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeShape] | N
     return entries
 
 
+def tune_contexts(llm, max_tokens: int) -> list[int]:
+    """The context lengths `ddtree tune` measures by default: the upper bound of each context
+    bucket past the first (the sweep's own prompts are short) that fits with `max_tokens`."""
+    return [upper for _, upper in CONTEXT_BUCKETS[1:] if upper + max_tokens <= llm.max_model_len]
+
+
+def measure_contexts(llm, seconds_per_context: float, contexts: list[int], budgets: list[TreeShape] | None = None,
+                     log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Calibrate greedy decoding after prompts of each length in `contexts` for
+    `seconds_per_context` -> entries by context bucket (`budget_selector.context_bucket`)."""
+    entries = {}
+    for tokens in contexts:
+        budget, summary = calibrate(llm, seconds_per_context, log, budgets, prompt_tokens=tokens)
+        if budget is None:
+            log(f"tree budget auto: context {tokens}: nothing measured in {seconds_per_context:g} s")
+            continue
+        entries[context_bucket(tokens)] = {"context_tokens": summary["prompt_tokens"], "tree_budget": budget,
+                                           "source": "calibration", "seconds": round(summary["seconds"], 1),
+                                           "median_tokens_per_second": summary["median_tokens_per_second"],
+                                           "mean_acceptance_length": summary["mean_acceptance_length"]}
+        log(f"tree budget auto: context {summary['prompt_tokens']} tokens ({context_bucket(tokens)}): {budget}; "
+            "median tok/s " + ", ".join(f"{b}: {t:.1f}" for b, t in summary["median_tokens_per_second"].items()))
+    return entries
+
+
+def context_picks(record: dict) -> dict[str, TreeShape]:
+    """The budget per context bucket a tune file measured (empty for files without `by_context`)."""
+    return {name: entry["tree_budget"] for name, entry in record.get("by_context", {}).items()}
+
+
 # -- calibration ------------------------------------------------------------------------------------
 
 
-def _calibration_prompts(llm, max_tokens: int) -> list[list[int]]:
-    """Token ids of the stdlib prompts cut to fit the context; synthetic ids if there is no tokenizer."""
+def _calibration_prompts(llm, max_tokens: int, length: int | None = None) -> list[list[int]]:
+    """Token ids of the stdlib prompts cut to fit the context; synthetic ids if there is no tokenizer.
+    With `length` (capped by the room): CALIBRATION_LONG_PROMPTS prompts of exactly that many tokens,
+    each the stdlib prompts one after another from a different first one."""
     room = llm.max_model_len - max_tokens
     if llm.tokenizer is None:
         rng = random.Random(0)
-        length = min(CALIBRATION_PROMPT_TOKENS, room)
-        return [[rng.randrange(llm.vocab_size) for _ in range(length)] for _ in range(16)]
-    return [llm.encode(p.prompt)[:room] for p in stdlib_prompts() if p.prompt]
+        size = min(length or CALIBRATION_PROMPT_TOKENS, room)
+        return [[rng.randrange(llm.vocab_size) for _ in range(size)] for _ in range(16)]
+    prompts = [ids for ids in (llm.encode(p.prompt) for p in stdlib_prompts() if p.prompt) if ids]
+    if length is None:
+        return [ids[:room] for ids in prompts]
+    size = min(length, room)
+    longer = []
+    for first in range(min(CALIBRATION_LONG_PROMPTS, len(prompts))):
+        ids: list[int] = []
+        k = first
+        while len(ids) < size:
+            ids += prompts[k % len(prompts)]
+            k += 1
+        longer.append(ids[:size])
+    return longer
 
 
 def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = print,
-              budgets: list[TreeShape] | None = None, temperature: float = 0.0) -> tuple[TreeShape | None, dict]:
+              budgets: list[TreeShape] | None = None, temperature: float = 0.0,
+              prompt_tokens: int | None = None) -> tuple[TreeShape | None, dict]:
     """Measure budgets on this machine within `time_limit_s` seconds -> (the budget with the best
-    median tokens/s, or None if nothing was measured; a summary).
+    median tokens/s, or None if nothing was measured; a summary). prompt_tokens: calibrate after
+    prompts of that many tokens (a context length) instead of the stdlib prompts as they are.
 
     First an ascending pass: each budget (ar, chain, then trees from small to large) runs one short
     untimed request (graph capture, caches) and one timed one; the trees stop growing once one runs
@@ -206,7 +257,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     warmup_params = SamplingParams(max_tokens=min(CALIBRATION_WARMUP_TOKENS, max_tokens), temperature=temperature,
                                    seed=seed)
     backend = OfflineBackend(llm)
-    backend.prompt_ids = dict(enumerate(p for p in _calibration_prompts(llm, max_tokens) if p))
+    backend.prompt_ids = dict(enumerate(p for p in _calibration_prompts(llm, max_tokens, prompt_tokens) if p))
     n_prompts = len(backend.prompt_ids)
     samples: dict[TreeShape, list[float]] = {b: [] for b in budgets}
     accepted: dict[TreeShape, list[int]] = {b: [0, 0] for b in budgets}  # [accepted tokens, rounds]
@@ -247,6 +298,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
             for b, s in samples.items() if s]
     picks = recommend(rows)
     summary = {"seconds": time.perf_counter() - start, "max_tokens": max_tokens, "temperature": temperature,
+               "prompt_tokens": max(map(len, backend.prompt_ids.values())),
                "median_tokens_per_second": {str(r["tree_budget"]): r["median_tokens_per_second"] for r in rows},
                "mean_acceptance_length": {str(b): (a / n if b.drafts else 1.0) for b, (a, n) in accepted.items()
                                           if samples[b] and (n or not b.drafts)},
@@ -288,11 +340,7 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
         return dict.fromkeys(BUCKET_NAMES, AR)
     path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
     if path.is_file():
-        try:
-            record = read_tune_file(path)
-            reason = mismatch(record, llm)
-        except DDTreeError as exc:
-            record, reason = None, str(exc)
+        record, reason = _matching_record(llm, path)
         if reason is None:
             pick = pick_for_concurrency(record, concurrency)
             picks = bucket_picks(record, concurrency)
@@ -359,6 +407,30 @@ def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None
 def _batch_engine(llm, budgets: list[TreeShape]):
     """The LLM's batched engine, made to hold every budget's tree."""
     return llm.batched(max(b.nodes(llm.block_size) for b in budgets)).engine
+
+
+def resolve_context_budgets(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print
+                            ) -> dict[str, TreeShape]:
+    """The tree budget per context bucket for `--tree-budget auto` (`LLM.auto_context_budgets`): what
+    `<draft_dir>/ddtree_tune.json` measured at long contexts when the file applies, else none (a
+    start-up calibration does not measure long contexts: their prefills alone would take long)."""
+    path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
+    if llm.drafter is None or not path.is_file():
+        return {}
+    record, reason = _matching_record(llm, path)
+    picks = context_picks(record) if reason is None else {}
+    if picks:
+        log("tree budget auto by context (a cap on the temperature bucket's pick): " + _picks_line(picks))
+    return picks
+
+
+def _matching_record(llm, path: Path) -> tuple[dict | None, str | None]:
+    """(the tune file at `path`, None) when it applies to `llm`, else (None or the file, why not)."""
+    try:
+        record = read_tune_file(path)
+    except DDTreeError as exc:
+        return None, str(exc)
+    return record, mismatch(record, llm)
 
 
 def _picks_line(picks: dict[str, TreeShape]) -> str:
