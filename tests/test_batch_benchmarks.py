@@ -45,3 +45,18 @@ def test_batch_budgets_adaptive_writes_every_mode_with_the_budgets_chosen(tmp_pa
     assert sum(rows[(1, "adaptive")]["round_shares"].values()) == pytest.approx(1.0)
     measured = {(p["rows"], p["budget"]) for p in result["round_costs"]}
     assert measured == {(r, b) for r in (1, 2, 3) for b in ("ar", "16")}
+
+
+def test_batch_round_latency_writes_every_cell_and_the_choice(tmp_path):
+    out = tmp_path / "rounds.json"
+    cmd = [sys.executable, "-m", "benchmarks.batch_round_latency", str(out), "--shape", "demo", "--rows", "1,2",
+           "--budgets", "ar,16", "--context", "24", "--device", "cpu"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    cells = {(c["rows"], c["tree_budget"]): c for c in result["cells"]}
+    assert set(cells) == {(r, b) for r in (1, 2) for b in ("ar", "16")}
+    assert all(c["round_ms"] > 0 and c["floor_ms"] > 0 and c["context"] == 24 for c in cells.values())
+    assert cells[(1, "16")]["tokens_per_row"] == 17 and cells[(2, "ar")]["tokens_per_row"] == 1
+    assert cells[(2, "16")]["floor_ms"] > cells[(1, "16")]["floor_ms"] > cells[(1, "ar")]["floor_ms"]
+    assert set(result["chosen"]) == {"1", "2"} and set(result["chosen"].values()) <= {"ar", "16"}
