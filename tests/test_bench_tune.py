@@ -44,7 +44,7 @@ def tuned(demo_pair, drafter_copy):
     """Run `ddtree tune` once with its default output (beside the drafter)."""
     code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter_copy), "--device", "cpu",
                  "--tree-budgets", "ar,chain,8", "--num-prompts", "3", "--max-tokens", "8", "--concurrency", "1,2",
-                 "--sampled-seconds", "2", "--contexts", "1024", "--context-seconds", "2", "--no-progress"])
+                 "--sampled-seconds", "2", "--contexts", "1024", "--context-seconds", "6", "--no-progress"])
     assert code == 0
     return drafter_copy / TUNE_FILE
 

@@ -384,19 +384,19 @@ def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None
     path = tune_file_path(llm.draft_path)
     reason = f"no tune file at {path}"
     if path.is_file():
-        try:
-            record = read_tune_file(path)
-            reason = mismatch(record, llm)
-            if reason is None and "round_costs" not in record:
-                reason = f"{path} holds no round costs (`ddtree tune --max-num-seqs N` measures them)"
-            if reason is None:
+        record, reason = _matching_record(llm, path)
+        if reason is None and "round_costs" not in record:
+            reason = f"{path} holds no round costs (`ddtree tune --max-num-seqs N` measures them)"
+        if reason is None:
+            try:
                 table = RoundCostTable.from_json(record["round_costs"])
+            except ValueError as exc:
+                reason = f"{path}: {exc}"
+            else:
                 if table.max_rows >= llm.max_num_seqs:
                     log(f"batch budget: round costs from {path} (tuned {record.get('created', '?')})")
                     return table
                 reason = f"{path} measured round costs up to {table.max_rows} rows, not {llm.max_num_seqs}"
-        except (DDTreeError, ValueError) as exc:
-            reason = f"{path}: {exc}"
     start = time.perf_counter()
     table = measure_round_costs(_batch_engine(llm, budgets), budgets)
     log(f"batch budget: {reason}; measured round costs for 1..{llm.max_num_seqs} rows at "
