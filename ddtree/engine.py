@@ -77,10 +77,11 @@ def prefill_lengths(limit: int) -> list[int]:
 def prefill_chunks(length: int, chunk: int, device) -> list[tuple[slice, AttentionMeta, slice]]:
     """How a prompt of `length` tokens is prefilled: forwards of at most `chunk` tokens, each as
     (its rows of the prompt, its attention meta alone, its logit rows: its last token, which in
-    the last forward is the prompt's; the others' logits are dropped, one row each, rather than
-    none, a zero-row shape the compiled code would meet nowhere else). The first is causal from an empty cache; the one at
-    positions [s, s + c) sees keys [0, s) (the prefix, already cached) and itself causally, which
-    for recurrent layers (a meta neither causal nor a tree) advances the state the prefix left."""
+    the last forward is the prompt's; the others' logits are dropped, one row each rather than
+    none, a zero-row shape the compiled code would meet nowhere else). The first is causal from
+    an empty cache; the one at positions [s, s + c) sees keys [0, s) (the prefix, already cached)
+    and itself causally, which for recurrent layers (a meta neither causal nor a tree) advances
+    the state the prefix left."""
     chunks, causal = [], None
     for start in range(0, length, chunk):
         c = min(chunk, length - start)
