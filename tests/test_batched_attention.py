@@ -153,14 +153,14 @@ def test_shapes_do_not_follow_prefix_lengths():
     assert seen == [row_slots, row_slots]
 
 
-def packed_rows(sizes, prefixes, row_slots, seed):
+def packed_rows(sizes, prefixes, row_slots, seed, device=DEVICE):
     """A packed forward's rows as `BatchEngine` makes them: row b's `sizes[b]` tokens after row
     b - 1's, each with its prefix-form meta alone (a tree's visibility) and its first slot."""
     rows, start = [], 0
     for b, (n, p) in enumerate(zip(sizes, prefixes)):
-        alone = AttentionMeta(torch.arange(n, device=DEVICE) + p, p + n + 2,
-                              prefix_len=torch.tensor(p, device=DEVICE),
-                              block_mask=tree_mask(n, 0, n, seed=seed + b).to(DEVICE))
+        alone = AttentionMeta(torch.arange(n, device=device) + p, p + n + 2,
+                              prefix_len=torch.tensor(p, device=device),
+                              block_mask=tree_mask(n, 0, n, seed=seed + b).to(device))
         rows.append(RowSpan(slice(start, start + n), b * row_slots, alone))
         start += n
     return rows
@@ -213,7 +213,7 @@ def test_cpu_attend_keeps_the_per_row_loop(monkeypatch):
 
     monkeypatch.setattr(tree_attention, "batched_masked_attention", refuse)
     sizes, prefixes, row_slots = [3, 2], [20, 7], 40
-    rows = packed_rows(sizes, prefixes, row_slots, seed=1)
+    rows = packed_rows(sizes, prefixes, row_slots, seed=1, device="cpu")  # CPU tensors on any machine
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(5, 4, 16, generator=gen)
     k, v = torch.randn(2 * row_slots, 2, 16, generator=gen), torch.randn(2 * row_slots, 2, 16, generator=gen)
