@@ -335,3 +335,15 @@ def test_fold_equals_the_token_loop_along_the_path(length):
     kernel = states.clone()
     fold_path(kernel, k_stash, u_stash, g_stash, order, length_t)
     torch.testing.assert_close(kernel, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("n,seed", [(1, 40), (5, 41), (40, 42)])
+def test_tree_kernel_writes_the_path_decays(n, seed):
+    """`G_out` gets each node's log-decay summed along its root path (`path_decay`), into a
+    strided view of a larger stash, as the commit's fold reads it."""
+    q, k, v, g, beta, state = inputs(n, 2, 4, 16, 32, seed)
+    visible = tree_mask(n, seed) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=DEVICE)
+    stash = torch.zeros(n + 2, 4, device=DEVICE)
+    tree_gated_delta(q, k, v, g, beta, visible, state, G_out=stash[:n])
+    torch.testing.assert_close(stash[:n], ref.path_decay(g, visible), atol=1e-6, rtol=1e-6)
+    assert torch.count_nonzero(stash[n:]) == 0

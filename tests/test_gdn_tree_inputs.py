@@ -125,3 +125,26 @@ def test_compiled_tree_inputs_equal_eager():
         assert counters["stats"]["unique_graphs"] == 1
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_conv_kernel_equals_the_materialised_conv(dtype):
+    """`kernels.tree_conv` (on the CPU in Triton's interpreter) convolves each node over its
+    ancestors as the materialised form does, SiLU'd, and stashes the conv inputs; its sums are
+    float32 multiply-adds in the same order, so within one rounding of the inputs' dtype."""
+    pytest.importorskip("triton")
+    from ddtree.kernels import tree_conv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seed, tree in enumerate(trees()):
+        x = {name: t.to(device) for name, t in layer_inputs(tree, dtype, seed).items()}
+        n = x["mixed"].shape[0]
+        assert tree_conv.supported(x["window"], x["mixed"], x["conv_weight"])
+        stash = torch.zeros(n, C, dtype=dtype, device=device)
+        got = tree_conv.tree_conv_silu(x["window"], x["mixed"], x["ancestors"], x["conv_weight"], stash)
+        conv_in = torch.cat([x["window"], x["mixed"]], dim=0)[x["ancestors"]]
+        want = F.silu((conv_in.float() * x["conv_weight"].float().t()[None]).sum(1).to(dtype))
+        tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -6)  # two roundings
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, **tol)
+        assert torch.equal(stash, x["mixed"])

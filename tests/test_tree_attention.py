@@ -4,13 +4,15 @@ no key at all); the prefix form (prefix length + block mask) equals the dense ma
 head layout in bf16."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
 from ddtree.kernels.tree_attention import (  # noqa: E402
-    DEFAULT, LONG, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
+    DEFAULT, LONG, LONG_256, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -137,7 +139,9 @@ def test_plan_fills_the_gpu_with_splits():
     assert plan(rows=4, kv_heads=8, kv_len=513, sms=132) == (16, 9)  # one key block per split
     assert plan(rows=4, kv_heads=8, kv_len=8192, sms=132) == (16, 33)
     block_m, splits = plan(rows=257 * 4, kv_heads=8, kv_len=769, sms=132)
-    assert block_m == 64 and splits == 2
+    assert block_m == 64 and splits == 1  # 136 programs: a second split would start a third wave
+    # Whole waves: 8 programs split 16 ways fill 128 of 132 SMs once (17 would need a second wave).
+    assert plan(rows=64, kv_heads=8, kv_len=131072, sms=132, config=replace(LONG, programs_per_sm=1)) == (128, 16)
 
 
 def test_tiling_by_shape():
@@ -146,6 +150,7 @@ def test_tiling_by_shape():
     assert tiling(rows=102, kv_len=32768, head_dim=256) is DEFAULT  # LONG's tiles do not fit at 256
     assert tiling(rows=390, kv_len=1024, head_dim=256).block_m == 32
     assert tiling(rows=1542, kv_len=1024, head_dim=256).block_n == 32
+    assert tiling(rows=390, kv_len=8448, head_dim=256) is LONG_256  # many rows over a long context
     assert [tiling(rows, 32768, 128).programs_per_sm for rows in (68, 260, 1028)] == [1, 2, 4]
     assert tiling(rows=1028, kv_len=32768, head_dim=128).block_m == LONG.block_m
 
@@ -191,29 +196,36 @@ def test_long_context_many_splits_bf16():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("context,n", [(32768, 65), (32768, 257), (131072, 17), (131072, 65)])
-def test_long_context_tree_bf16_and_graph(context, n):
+@pytest.mark.parametrize("context,n,heads", [(32768, 65, (32, 8, 128)), (32768, 257, (32, 8, 128)),
+                                             (131072, 17, (32, 8, 128)), (131072, 65, (32, 8, 128)),
+                                             (8192, 65, (24, 4, 256)), (8192, 257, (24, 4, 256))])
+def test_long_context_tree_bf16_and_graph(context, n, heads):
     """A tree's verify over a long cached context in the engine's form (prefix length + block
     mask): the prefix's key blocks go through the unmasked loop, the tree's through the masked one;
     equal to float64 attention, and a CUDA-graph replay equals the eager call exactly."""
     from ddtree.engine import capture_graph
 
+    hq, hkv, d = heads
     kv_len = -(-(context + n) // 256) * 256  # the engine's KV bucket
-    q, k, v = inputs(n, 32, 8, 128, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
     mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
     block, prefix = mask[:, context:context + n].contiguous(), torch.tensor(context, device=DEVICE)
-    eager = masked_attention(q, k, v, block, 128**-0.5, prefix_len=prefix)
-    torch.testing.assert_close(eager.double(), reference(q, k, v, mask, 128**-0.5), atol=2e-2, rtol=2e-2)
-    graph, out = capture_graph(lambda: masked_attention(q, k, v, block, 128**-0.5, prefix_len=prefix))
+    eager = masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix)
+    torch.testing.assert_close(eager.double(), reference(q, k, v, mask, d**-0.5), atol=2e-2, rtol=2e-2)
+    graph, out = capture_graph(lambda: masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix))
     graph.replay()
     assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("n", [40, 150])
-def test_head_dim_256_tilings_equal_reference(n):
-    """head_dim 256 with many rows: 32-row blocks (n = 40, 160 rows) or 32-key blocks (n = 150)."""
-    kv_len = 90 + n
+@pytest.mark.parametrize("n,context", [(40, 90), (150, 90), (40, 4200)])
+def test_head_dim_256_tilings_equal_reference(n, context):
+    """head_dim 256 with many rows: 32-row blocks (n = 40, 160 rows) or 32-key blocks (n = 150),
+    LONG_256 over a long context."""
+    kv_len = context + n
     q, k, v = inputs(n, 8, 2, 256, kv_len, torch.float32, seed=n)
-    mask = tree_mask(n, 90, kv_len, seed=n).to(DEVICE)
-    got = masked_attention(q, k, v, mask[:, 90:90 + n].contiguous(), 0.0625, prefix_len=torch.tensor(90, device=DEVICE))
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    if context >= 4096:
+        assert tiling(n * 4, kv_len, 256) is LONG_256
+    got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), 0.0625,
+                           prefix_len=torch.tensor(context, device=DEVICE))
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.0625).to(got.device), atol=2e-5, rtol=1e-4)

@@ -124,10 +124,14 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Te
         return False
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         return False
-    hk, dk = k.shape[1], k.shape[2]
-    hv, dv = v.shape[1], v.shape[2]
-    ok = (_pow2_dim(dk) and _pow2_dim(dv) and hv % hk == 0
-          and q.dtype in DTYPES and k.dtype in DTYPES and v.dtype in DTYPES)
+    return (q.dtype in DTYPES and k.dtype in DTYPES
+            and supported_heads(k.shape[1], k.shape[2], v.shape[1], v.shape[2], v.dtype, state))
+
+
+def supported_heads(hk: int, dk: int, hv: int, dv: int, dtype: torch.dtype, state: torch.Tensor | None = None) -> bool:
+    """`supported`'s conditions on the head layout, the value dtype and the state alone (a layer
+    asks before it makes q, k, v)."""
+    ok = _pow2_dim(dk) and _pow2_dim(dv) and hv % hk == 0 and dtype in DTYPES
     if state is not None:
         ok = ok and state.dtype == torch.float32 and state.is_contiguous() and tuple(state.shape) == (hv, dk, dv)
     return ok
@@ -139,7 +143,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      visible: torch.Tensor, state: torch.Tensor, config: TreeConfig | None = None,
-                     u_out: torch.Tensor | None = None) -> torch.Tensor:
+                     u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None) -> torch.Tensor:
     """Every node of a tree from `state` (read only). q, k [N, Hk, Dk] (L2-normalised, q scaled);
     v [N, Hv, Dv]; g, beta [N, Hv]; visible [N, N] bool, the ancestor-or-self mask, nodes in
     topological order; state [Hv, Dk, Dv] float32. -> o [N, Hv, Dv] float32.
@@ -147,9 +151,13 @@ def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Scratch (torch allocations, freed on return): the coefficients over the ancestor lists, sized
     for the worst case (every earlier node an ancestor), about 4 Hv N^2 bytes (13 MB at N = 257,
     200 MB at 1025 with Hv 48), plus 12 Hv N Dv bytes. u_out [Hv, N, Dv] float32, if given,
-    receives each node's new value u (the solve's result, kept for `fold_path`)."""
+    receives each node's new value u (the solve's result, kept for `fold_path`); G_out [N, Hv]
+    float32, if given, each node's path-summed log-decay G (`gated_deltanet.path_decay`), which
+    the prepare launch finds anyway (for `fold_path` too)."""
     n, hk, dk = k.shape
     if n == 1:  # one node: one token of the loop, the state left as it is; its delta is u
+        if G_out is not None:
+            G_out.copy_(g)
         return _token_loop(q, k, v, g, beta, state, None, RECURRENT_DEFAULT, write_state=False, delta_out=u_out)
     config = config or tree_config(n)
     hv, dv = v.shape[1], v.shape[2]
@@ -173,10 +181,12 @@ def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
     meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, num_warps=config.num_warps, num_stages=config.num_stages)
+    store_g = G_out is not None
+    g_out = G_out if store_g else out  # unused unless STORE_G
     _tree_prepare[(hv, blocks, 1 + dv // prepare_v)](
-        q, k, v, g, beta, mask, state, cols, counts, coef, diag, rhs, n, slots, *strides,
-        GROUP=hv // hk, BLOCK_V=prepare_v, BLOCK_W=config.block_w, BLOCK_K=min(config.block_k, dk),
-        PRECISION=config.precision, **meta)
+        q, k, v, g, beta, mask, state, cols, counts, coef, diag, rhs, g_out, n, slots, *strides,
+        g_out.stride(0), g_out.stride(1), GROUP=hv // hk, BLOCK_V=prepare_v, BLOCK_W=config.block_w,
+        BLOCK_K=min(config.block_k, dk), PRECISION=config.precision, STORE_G=store_g, **meta)
     _tree_solve[(hv, dv // block_v)](cols, counts, coef, diag, rhs, u, out, n, slots, BLOCK_V=block_v,
                                      PRECISION=config.solve_precision, **meta)
     if u_out is not None and not direct:
@@ -317,14 +327,15 @@ if triton is not None:
 
     @triton.jit
     def _tree_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, mask_ptr, state_ptr, cols_ptr, count_ptr, coef_ptr,
-                      diag_ptr, rhs_ptr, n, slots, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h,
-                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      diag_ptr, rhs_ptr, g_out_ptr, n, slots, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n,
+                      sb_h, so_n, so_h, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_G: tl.constexpr):
         """Program (value head h, block b, part): everything of block b that does not depend on
-        other blocks' u (module docstring). Part 0: the ancestor list, A and P over it, T and P_bb;
-        part p > 0: beta (v - exp(G) k S) and exp(G) q S for value tile p - 1. The ancestor lists
-        depend on the mask only: every program writes the same values to the same place."""
+        other blocks' u (module docstring). Part 0: the ancestor list, A and P over it, T and P_bb
+        (and, STORE_G, the block's G); part p > 0: beta (v - exp(G) k S) and exp(G) q S for value
+        tile p - 1. The ancestor lists depend on the mask only: every program writes the same
+        values to the same place."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         part = tl.program_id(2)
@@ -340,6 +351,8 @@ if triton is not None:
                                    sg_n, sg_h, BLOCK_T, BLOCK_W)
         beta = tl.load(beta_ptr + rows * sb_n + h * sb_h, mask=live, other=0.0)
         if part == 0:
+            if STORE_G:
+                tl.store(g_out_ptr + rows * so_n + h * so_h, path_g, mask=live)
             tl.store(count_ptr + b, count)
             tl.debug_barrier()  # the list is read by other threads
             ci = tl.arange(0, BLOCK_C)

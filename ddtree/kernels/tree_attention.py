@@ -91,7 +91,11 @@ DEFAULT = AttentionConfig()
 # a third pipeline stage). H200, Qwen3-8B heads, 32k cached keys, us per layer, DEFAULT -> LONG:
 # N = 17: 69.3 -> 58.7, N = 65: 216 -> 115, N = 257: 698 -> 371 (attention_configs_h200_long.json).
 LONG = AttentionConfig(block_m=128, num_warps=8, num_stages=3)
-LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128
+LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128 (> 128 at 256)
+# At head_dim 256 a third stage does not fit in shared memory. H200, Qwen3.6-27B heads (24/4/256),
+# 8192 cached keys, N = 65 (390 rows): 133.0 us with 32-row blocks, 75.7 with these tiles
+# (attention_configs_h200_qwen36_27b_8k.json).
+LONG_256 = AttentionConfig(block_m=128, num_warps=8, num_stages=2)
 
 
 def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1) -> AttentionConfig:
@@ -105,6 +109,8 @@ def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1) -> AttentionCo
     if head_dim > 128:
         if rows <= 128:
             return DEFAULT
+        if kv_len >= LONG_KV_MIN:
+            return LONG_256
         return replace(DEFAULT, block_m=32, programs_per_sm=4) if rows <= 512 else replace(DEFAULT, block_n=32)
     if rows <= 32 or kv_len < LONG_KV_MIN:
         return DEFAULT
@@ -114,11 +120,15 @@ def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1) -> AttentionCo
 
 def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfig = DEFAULT) -> tuple[int, int]:
     """(query rows per program, key splits) for `rows` = N x group rows per KV head: splits are
-    added until about `programs_per_sm` programs per SM, each split keeping at least one key block."""
+    added up to `programs_per_sm` programs per SM and no further, each split keeping at least one
+    key block. Rounding the splits down keeps the programs in whole waves: one more split per row
+    block would start a second wave of a few programs, each as long as the first wave's (H200,
+    Qwen3-8B heads, 131072 keys, 64 rows in one 128-row block, one program per SM: 17 splits,
+    136 programs on 132 SMs, took 265 us a layer; attention_configs_h200_long_128k.json)."""
     block_m = config.block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64)
     programs = triton.cdiv(rows, block_m) * kv_heads
     key_blocks = triton.cdiv(kv_len, config.block_n)
-    splits = max(1, min(key_blocks, triton.cdiv(config.programs_per_sm * sms, programs)))
+    splits = max(1, min(key_blocks, config.programs_per_sm * sms // programs))
     return block_m, splits
 
 

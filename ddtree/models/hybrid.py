@@ -35,10 +35,11 @@ from ddtree.recurrent_state import HybridCache, RecurrentScratch, RecurrentState
 
 log = logging.getLogger("ddtree.models")
 
-try:  # the Triton kernels of the tree and token-loop forms (CUDA); the PyTorch forms elsewhere
+try:  # the Triton kernels of the tree and token-loop forms and the tree's conv (CUDA); PyTorch elsewhere
     from ddtree.kernels import gdn_tree as gdn_kernels
+    from ddtree.kernels import tree_conv
 except ImportError:
-    gdn_kernels = None
+    gdn_kernels = tree_conv = None
 
 
 # DDTREE_GDN_KERNELS=0 runs the PyTorch forms on CUDA too (to measure the kernels against them).
@@ -144,6 +145,15 @@ def gdn_tree_inputs(window, mixed, ancestors, visible, a, b, conv_weight, A_log,
     return q, v, g, beta
 
 
+def gdn_tree_recurrence_inputs(conv, a, b, A_log, dt_bias, k_out, hk: int, dk: int, hv: int, dv: int):
+    """`gdn_tree_inputs` after the conv, for the kernel path (`tree_conv` convolves and stashes the
+    conv inputs; `tree_gated_delta` writes G): conv [N, C] (SiLU'd), a, b [N, Hv] -> q, v, g,
+    beta; k_out [N, Hk, Dk] float32 <- the normalised keys."""
+    q, k, v, g, beta = recurrence_inputs(conv, a, b, A_log, dt_bias, hk, dk, hv, dv)
+    k_out.copy_(k)
+    return q, v, g, beta
+
+
 def gdn_output(o, z, norm_w, eps: float, hv: int, dv: int):
     """o [N, Hv, Dv] float32, z [N, Hv * Dv] -> RMSNorm(o) * w * silu(z) as [N, Hv * Dv]."""
     n = o.shape[0]
@@ -159,8 +169,8 @@ class HybridOps:
     """The elementwise glue of the hybrid layers: eager, or each function compiled once for all
     layers (CUDA), as `fused.LayerOps` does for dense targets."""
 
-    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_tree_inputs", "gdn_output",
-             "swiglu")
+    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_tree_inputs",
+             "gdn_tree_recurrence_inputs", "gdn_output", "swiglu")
 
     def __init__(self, compiled: bool):
         for name in self.NAMES:
@@ -274,14 +284,26 @@ class GatedDeltaNet(nn.Module):
         n, index, scratch = mixed.shape[0], self.linear_index, meta.scratch
         if "conv_ancestors" not in meta._shared:  # the same for every layer of this forward
             meta._shared["conv_ancestors"] = conv_ancestors(meta.parents, meta.depths, self.kernel)
+        ancestors = meta._shared["conv_ancestors"]
         k = scratch.k[index, :n]  # the normalised keys go straight to the commit's stash; read from there
-        q, v, g, beta = ops.gdn_tree_inputs(window, mixed, meta._shared["conv_ancestors"], meta.block_mask, a, b,
-                                            self.conv_weight, self.A_log, self.dt_bias, scratch.mixed[index, :n], k,
-                                            scratch.G[index, :n], self.hk, self.dk, self.hv, self.dv)
-        u_out = scratch.u[index, :, :n]
-        if _use_kernels(q, k, v, state):
-            return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out)
+        u_out, G_out = scratch.u[index, :, :n], scratch.G[index, :n]
+        if self._tree_kernels(window, mixed, state):
+            # The conv as one kernel (it also stashes the conv inputs), the recurrence's inputs
+            # compiled, and G written by the tree kernel, which sums it anyway.
+            conv = tree_conv.tree_conv_silu(window, mixed, ancestors, self.conv_weight, scratch.mixed[index, :n])
+            q, v, g, beta = ops.gdn_tree_recurrence_inputs(conv, a, b, self.A_log, self.dt_bias, k, self.hk, self.dk,
+                                                           self.hv, self.dv)
+            return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out, G_out=G_out)
+        q, v, g, beta = ops.gdn_tree_inputs(window, mixed, ancestors, meta.block_mask, a, b, self.conv_weight,
+                                            self.A_log, self.dt_bias, scratch.mixed[index, :n], k, G_out, self.hk,
+                                            self.dk, self.hv, self.dv)
         return gdn.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out)
+
+    def _tree_kernels(self, window, mixed, state) -> bool:
+        """Whether the verify runs the Triton path (the conv and the tree recurrence as kernels)."""
+        return (KERNELS_ENABLED and mixed.is_cuda and tree_conv is not None
+                and tree_conv.supported(window, mixed, self.conv_weight)
+                and gdn_kernels.supported_heads(self.hk, self.dk, self.hv, self.dv, mixed.dtype, state))
 
 
 class HybridLayer(nn.Module):
