@@ -98,21 +98,23 @@ LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128 (
 LONG_256 = AttentionConfig(block_m=128, num_warps=8, num_stages=2)
 
 
-def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1) -> AttentionConfig:
+def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes: int = 2) -> AttentionConfig:
     """The tiling for `rows` (= N x group) query rows per KV head over kv_len keys, in each of
     `batch` rows of a batched launch: LONG for many rows over a long context (its programs per SM
-    grow with its row blocks, as measured), else DEFAULT. At head_dim 256 LONG's tiles do not fit;
+    grow with its row blocks, as measured), else DEFAULT. LONG and LONG_256 are for 2-byte inputs:
+    float32 tiles of their size do not fit in an SM's shared memory. At head_dim 256 LONG's tiles do not fit;
     there smaller tiles serve many rows (H200, Qwen3.6-27B heads 24/4/256, 512 cached keys, us per
     layer: N = 65 (390 rows) 27.3 -> 21.9 with 32-row blocks; N = 257 (1542 rows) 54.0 -> 44.3 with
     32-key blocks; N = 17 (102 rows) keeps DEFAULT, 13.5 against 24.4;
     attention_configs_h200_qwen36_27b.json)."""
+    long_tiles = element_bytes <= 2 and kv_len >= LONG_KV_MIN
     if head_dim > 128:
         if rows <= 128:
             return DEFAULT
-        if kv_len >= LONG_KV_MIN:
+        if long_tiles:
             return LONG_256
         return replace(DEFAULT, block_m=32, programs_per_sm=4) if rows <= 512 else replace(DEFAULT, block_n=32)
-    if rows <= 32 or kv_len < LONG_KV_MIN:
+    if rows <= 32 or not long_tiles:
         return DEFAULT
     row_blocks = batch * -(-rows // LONG.block_m)
     return replace(LONG, programs_per_sm=1 if row_blocks == 1 else 2 if row_blocks <= 4 else 4)
@@ -179,7 +181,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     overrides the key split (tests), `config` the tiling (default: `tiling`; benchmarks/attention_configs.py)."""
     n, hq, d = q.shape
     t = k.shape[0]
-    config = config or tiling(n * (hq // k.shape[1]), t, d)
+    config = config or tiling(n * (hq // k.shape[1]), t, d, element_bytes=q.element_size())
     prefix = prefix_len is not None
     if prefix:
         ranges = prefix_len.reshape(1)  # the kernel reads the prefix length where the ranges would be
@@ -212,7 +214,7 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if prefix_len.shape != (batch,) or first_slot.shape != (batch,):
         raise ValueError(f"prefix_len and first_slot must be [{batch}], got {tuple(prefix_len.shape)} "
                          f"and {tuple(first_slot.shape)}")
-    config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch)
+    config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch, q.element_size())
     return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len, first_slot, batch, max_kv, scale, True,
                    splits, config)
 
