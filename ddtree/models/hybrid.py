@@ -13,9 +13,9 @@ Layer math, as transformers' `qwen3_5` (the tests' oracle):
 How a forward treats the recurrent layers depends on `AttentionMeta` (its docstring): a tree verify
 (`meta.parents` set) convolves each node over its own ancestors (then the committed conv window)
 and runs the tree form of the recurrence, writing no state: the conv inputs are gathered inside
-the function that convolves them (`gdn_tree_inputs`, compiled into a few kernels on CUDA), which
-also writes the commit's stash; a sequence (prefill, `ar` step, commit) advances the state and the
-window.
+the function that convolves them, which also writes the commit's stash (on CUDA the Triton kernel
+`kernels.tree_conv`, then `gdn_tree_recurrence_inputs` compiled; elsewhere `gdn_tree_inputs`); a
+sequence (prefill, `ar` step, commit) advances the state and the window.
 """
 from __future__ import annotations
 
