@@ -47,7 +47,7 @@ class Sequence:
     """One request's decoding state: its cache row, committed length `n` (tokens whose KV entries
     are in place), the next root token (the last token emitted), its sampling and tree shape."""
 
-    row: int
+    row: int  # its cache row: the R live sequences hold rows 0..R-1 (`BatchEngine.remove` keeps them so)
     first_slot: int
     params: SamplingParams
     budget: TreeShape
@@ -91,12 +91,18 @@ class BatchEngine:
             with torch.no_grad():  # the block's b - 1 mask tokens, which never change (as `Engine`)
                 self.draft_noise = target.embed_tokens(mask) * drafter.config.input_embedding_scale
         self.walk_fn = walk  # the acceptance rule (as `Engine.walk_fn`: tests replace it)
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.max_rows = max_rows
         self.sequences: list[Sequence] = []
+        # Per cache row, on the device: the committed length, the next root token and whether a
+        # sequence holds the row. Rounds read and advance them there; `Sequence.n` / `root` are the
+        # host's copies, read from each round's summary. A free row's n is 0.
+        self.n = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.root = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.live = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
 
     @property
     def free_rows(self) -> int:
-        return len(self._free_rows)
+        return self.max_rows - len(self.sequences)
 
     # -- joining and leaving -------------------------------------------------------------------
 
@@ -106,7 +112,7 @@ class BatchEngine:
         """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
         feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
         for a sequence whose budget may change (`set_budget`)."""
-        if not self._free_rows:
+        if not self.free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
         feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
         if feeds_drafter and self.drafter is None:
@@ -118,14 +124,13 @@ class BatchEngine:
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        row = self._free_rows.pop()
+        row = len(self.sequences)  # the first free row
         seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
-        try:
-            logits = self._prefill(seq, prompt)
-            first = choose_tokens(logits, params, generator)[0]
-        except BaseException:
-            self._free_rows.append(row)
-            raise
+        logits = self._prefill(seq, prompt)
+        first = choose_tokens(logits, params, generator)[0]
+        self.n[row].fill_(len(prompt))
+        self.root[row].copy_(first)
+        self.live[row].fill_(True)
         seq.n, seq.root = len(prompt), int(first)  # host sync: the first token is needed now
         self.sequences.append(seq)
         logprobs = None
@@ -149,10 +154,31 @@ class BatchEngine:
                              f"this engine holds at most {self.max_nodes}")
 
     def remove(self, seq: Sequence) -> None:
-        """The sequence leaves; its row is free for the next `add` (its stale entries are never
-        read: a sequence reads only slots it has written)."""
+        """The sequence leaves. The sequence in the last live row moves into its row, so that the
+        live rows stay 0..R-1 (a round of R rows is then always the round of rows 0..R-1); the last
+        row becomes free, with n = 0. Stale entries are never read: a sequence reads only slots it
+        has written."""
         self.sequences.remove(seq)
-        self._free_rows.append(seq.row)
+        last = next((s for s in self.sequences if s.row == len(self.sequences)), None)
+        if last is not None:
+            self._move(last, seq.row)
+        free = len(self.sequences)
+        self.n[free].zero_()
+        self.root[free].zero_()
+        self.live[free].fill_(False)
+
+    def _move(self, seq: Sequence, row: int) -> None:
+        """Move `seq` into the free cache `row`: its committed entries (target and drafter, slots
+        [0, n) of its row), its device n and root, and the slots of its unfed `ar` tokens."""
+        first = row * self.row_slots
+        self.cache.copy_span(seq.first_slot, first, seq.n)
+        if seq.feeds_drafter:
+            self.draft_cache.copy_span(seq.first_slot, first, seq.n)
+        shift = first - seq.first_slot
+        seq.unfed = [(features, positions, slots + shift) for features, positions, slots in seq.unfed]
+        self.n[row].copy_(self.n[seq.row])
+        self.root[row].copy_(self.root[seq.row])
+        seq.row, seq.first_slot = row, first
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
         """The prompt's forwards into the row, chunked as `Engine`'s (`prefill_chunks`) -> logits
@@ -274,15 +300,28 @@ class BatchEngine:
         steps, at = [], 0
         for seq, tree in zip(seqs, trees):
             keep = min(tree.size, self.block_size or 1)
-            summary = flat[at:at + keep + 2]
+            steps.append((seq, self._commit(seq, flat[at:at + keep + 2], kept_logprobs.get(id(seq)))))
             at += keep + 2
-            a = summary[0]
-            emitted = summary[2:1 + a] + [summary[-1]]
-            seq.n += a
-            seq.root = summary[-1]
-            logprobs = None
-            if id(seq) in kept_logprobs:  # a second sync, for requests that ask for log-probs only
-                values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs[id(seq)])
-                logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
-            steps.append((seq, Step(emitted, a, logprobs, seq.budget)))
+        self._store_rows()
         return steps
+
+    def _commit(self, seq: Sequence, summary: list[int], kept_logprobs: tuple | None) -> Step:
+        """The host's side of a round of `seq`: its summary [a, kept tokens, bonus] (and the
+        log-probs at its kept nodes, for a request that asks) -> its Step; n and root advance."""
+        a = summary[0]
+        emitted = summary[2:1 + a] + [summary[-1]]
+        seq.n += a
+        seq.root = summary[-1]
+        logprobs = None
+        if kept_logprobs is not None:  # a second sync, for requests that ask for log-probs only
+            values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs)
+            logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
+        return Step(emitted, a, logprobs, seq.budget)
+
+    def _store_rows(self) -> None:
+        """Every live row's n and root from the host's copies onto the device (after a per-row
+        round, which reads and advances the host's)."""
+        rows = sorted(self.sequences, key=lambda seq: seq.row)
+        values = torch.tensor([[seq.n for seq in rows], [seq.root for seq in rows]], dtype=torch.long)
+        self.n[:len(rows)].copy_(values[0])
+        self.root[:len(rows)].copy_(values[1])
