@@ -2,27 +2,39 @@
 pass and verifies every sequence's tree in one target forward.
 
 A sequence owns a row of the caches: slots [row * S, (row + 1) * S) of the target's and the
-drafter's KV caches, S = max_model_len + the largest tree + 1. Inside its row a sequence's slots
-equal its positions, so all that concerns one sequence (its tree, walk, commit and drafter
-context) is what `ddtree.engine.Engine` does for it alone, on that row. Only the forward passes
-are packed: the linear layers run once over every row's tokens, and each row's attention reads
-its own slots with the meta it would have alone (`layers.RowSpan`). Sequences join (`add`: the
-prompt's prefill) and leave (`remove`) between rounds; each keeps its own tree shape, sampling,
-seed and generator, so its tokens do not depend on which sequences share its rounds (the tests
-check them against the single-sequence engine in float32).
+drafter's KV caches, S = max_model_len + the largest tree + 1. The R live sequences hold rows
+0..R-1: when one leaves, the sequence in the last row moves into its row (its committed entries,
+`KVCache.copy_span`). Inside its row a sequence's slots equal its positions, so all that concerns
+one sequence (its tree, walk, commit and drafter context) is what `ddtree.engine.Engine` does for
+it alone, on that row. Only the forward passes are packed: the linear layers run once over every
+row's tokens, and each row's attention reads its own slots with the meta it would have alone
+(`layers.RowSpan`). Sequences join (`add`: the prompt's prefill) and leave (`remove`) between
+rounds; each keeps its own tree shape, sampling, seed and generator, so its tokens do not depend
+on which sequences share its rounds (the tests check them against the single-sequence engine in
+float32). Each row's committed length and next root token live on the device (`n`, `root`, with
+`live` marking the rows that hold a sequence); `Sequence.n` and `root` are the host's copies, read
+from each round's summary.
+
+A round takes one of two paths:
+- every sequence at one tree shape (the usual case under the batch's budget choice): the
+  fixed-shape round of ddtree.batch_round, whose shapes depend only on (row bucket, budget, KV
+  length), so that on CUDA its two halves (draft + build + verify, walk + commit) are CUDA graphs
+  as `Engine`'s are; on the CPU the same functions run eagerly;
+- mixed shapes: the per-row round, eager, each row's metas, tree, walk and commit made one by one
+  around the packed forwards.
 
 A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
 ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
 entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
-context, which an `ar` round would not feed: a sequence added with `feeds_drafter` keeps the
-target features of its `ar` rounds' tokens and hands them to the drafter before it next drafts
-(or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in any later
-round without paying a drafter call per `ar` round.
+context, which an `ar` round would not feed. A sequence added with `feeds_drafter` has it fed in
+every fixed-shape `ar` round (the batch's drafter call covers all rows at once); in a per-row round
+it keeps the target features of its `ar` rounds' tokens and hands them to the drafter before it
+next drafts (or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in
+any later round without paying a drafter call per `ar` round.
 
-This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
-state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
-sync per round reads every row's acceptance length, kept tokens and bonus together; requests
-that ask for log-probs add one more.
+This engine serves dense targets; a hybrid target's recurrent state is one sequence's, so hybrid
+targets decode one request at a time (`Engine`). One host sync per round reads every row's
+acceptance length, kept tokens and bonus together; requests that ask for log-probs add one more.
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ddtree.batch_round import UniformRounds, row_bucket
 from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.engine import PREFILL_CHUNK, Step, prefill_chunks
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
@@ -62,10 +75,15 @@ class Sequence:
 
 class BatchEngine:
     def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
+                 pad_rows: bool | None = None, compile_layers: bool | None = None, fused_tree: bool | None = None):
         """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
         that of the largest tree budget); prefill_chunk: the most tokens of a prompt one forward
-        prefills (`ddtree.engine.prefill_chunks`)."""
+        prefills (`ddtree.engine.prefill_chunks`). For the rounds whose rows share one tree shape
+        (ddtree.batch_round): use_graphs (default: on CUDA) captures them as CUDA graphs; kv_bucket
+        (default: 256 with graphs, else 1) rounds their KV length up; pad_rows (default: use_graphs)
+        rounds their rows up to a row bucket (1, 2, 4, ..., max_rows), so that few graphs serve every
+        row count; compile_layers (default: use_graphs) and fused_tree (default: on CUDA) as `Engine`'s."""
         if getattr(target.config, "hybrid", False):
             raise ValueError("batched decoding serves dense targets; a hybrid target decodes one request at a time")
         if max_rows < 1:
@@ -79,6 +97,7 @@ class BatchEngine:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = drafter.config.block_size if drafter is not None else 0
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
+        self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
         self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
         self.row_slots = max_model_len + max(self.max_nodes, self.block_size) + 1
         self.cache = target.new_cache(max_rows * self.row_slots, self.device, self.dtype)
@@ -99,6 +118,14 @@ class BatchEngine:
         self.n = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.root = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.live = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if self.use_graphs if compile_layers is None else compile_layers:
+            target.use_compiled()
+            if drafter is not None:
+                drafter.use_compiled()
+        self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
+        self.pad_rows = self.use_graphs if pad_rows is None else pad_rows
+        self.rounds = UniformRounds(self, self.use_graphs, (self.device.type == "cuda") if fused_tree is None else fused_tree)
 
     @property
     def free_rows(self) -> int:
@@ -246,14 +273,35 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Step]]:
         """One round of every sequence: draft, build, verify (packed), then each sequence's choice,
-        walk and commit -> each sequence's Step, in `sequences` order."""
+        walk and commit -> each sequence's Step, in `sequences` order. When every sequence has the
+        same tree shape, the fixed-shape round (ddtree.batch_round), else the per-row round."""
         seqs = list(self.sequences)
         if not seqs:
             return []
-        drafting = [s for s in seqs if s.budget.drafts]
-        self._feed([part for seq in drafting for part in seq.unfed])  # their context whole before they draft
-        for seq in drafting:
+        if all(seq.budget == seqs[0].budget for seq in seqs):
+            return self._uniform_step(seqs, seqs[0].budget)
+        return self._mixed_step(seqs)
+
+    def _uniform_step(self, seqs: list[Sequence], budget: TreeShape) -> list[tuple[Sequence, Step]]:
+        """The fixed-shape round of every sequence at `budget` (ddtree.batch_round)."""
+        self._feed_unfed(seqs)  # here `ar` rounds feed the drafter as they go: the context whole first
+        needed = max(self._kv_len(seq) for seq in seqs)  # host n is exact: every round's summary is read
+        kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.row_slots)
+        rows = row_bucket(len(seqs), self.max_rows) if self.pad_rows else len(seqs)
+        summaries, logprobs = self.rounds.run(seqs, rows, budget, kv_len)
+        return [(seq, self._commit(seq, summaries[seq.row], logprobs.get(id(seq)))) for seq in seqs]
+
+    def _feed_unfed(self, seqs: list[Sequence]) -> None:
+        """The unfed `ar` tokens of `seqs` into the drafter's context, in one call."""
+        self._feed([part for seq in seqs for part in seq.unfed])
+        for seq in seqs:
             seq.unfed.clear()
+
+    def _mixed_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, Step]]:
+        """The per-row round, for sequences of different tree shapes: each row's draft metas, tree,
+        walk and commit made one by one around the packed forwards."""
+        drafting = [s for s in seqs if s.budget.drafts]
+        self._feed_unfed(drafting)  # their context whole before they draft
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
         trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
 
