@@ -3,7 +3,9 @@ shape, in float32 on the CPU (where it runs eagerly; its CUDA graphs need a GPU)
 tokens equal its run alone through the one-request engine at `ar`, chain and a tree, greedy and
 sampled with per-row seeds, with padding rows in the row bucket, rows leaving from the middle (the
 last row moves into the freed one) and joining, a shared KV length larger than a row needs, a
-drafter with sliding-window layers, and log-probs. Mixed budgets take the per-row round."""
+drafter with sliding-window layers, and log-probs. Mixed budgets take the per-row round. The
+graphs' logic runs on the CPU too, each capture standing in as one run of its function (what a
+capture's warm-up does) and each replay as another: the warm-ups leave the tokens alone."""
 from __future__ import annotations
 
 import pytest
@@ -93,6 +95,27 @@ def decode(engine, llm, cases, budget, join_after=None):
     return [tokens[i][:sampling.max_tokens] for i, (_, sampling) in enumerate(cases)]
 
 
+class RunAgain:
+    """A CUDA graph's stand-in on the CPU: replaying it runs its function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def replayed(engine, monkeypatch):
+    """Make `engine` take its graph path on the CPU: a capture runs the function once, as a
+    capture's warm-up does (a real capture then records it without running it)."""
+    def capture(fn):
+        return RunAgain(fn), fn()
+
+    monkeypatch.setattr(engine.rounds, "use_graphs", True)
+    monkeypatch.setattr(engine.rounds, "capture", capture)
+    return engine
+
+
 def test_row_buckets():
     assert [row_bucket(r, 16) for r in range(1, 17)] == [1, 2, 4, 4, 8, 8, 8, 8] + [16] * 8
     assert [row_bucket(r, 12) for r in (5, 8, 9, 12)] == [8, 8, 12, 12]
@@ -108,12 +131,15 @@ def test_uniform_rounds_with_a_padding_row_equal_solo_runs(llm, budget, monkeypa
         assert tokens == solo(llm, prompt, sampling, budget), prompt
 
 
-def test_rows_leaving_from_the_middle_and_joining_equal_solo_runs(llm, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])
+def test_rows_leaving_from_the_middle_and_joining_equal_solo_runs(llm, monkeypatch, graphs):
     """The middle row finishes first: the last row moves into its row; later rows join into the
     freed rows, and the bucket shrinks and grows with the live rows."""
     cases = [("def fib(n):", params(max_tokens=16)), ("import os\n", params(0.7, seed=5, max_tokens=4)),
              ("class Stack:", params(1.0, seed=11, max_tokens=16)), ("x = [1, 2", params(max_tokens=10))]
     engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, kv_bucket=32, pad_rows=True)
+    if graphs:
+        replayed(engine, monkeypatch)
     moves = []
     move = engine._move
     monkeypatch.setattr(engine, "_move", lambda seq, row: (moves.append((seq.row, row)), move(seq, row)))
@@ -121,8 +147,41 @@ def test_rows_leaving_from_the_middle_and_joining_equal_solo_runs(llm, monkeypat
     got = decode(engine, llm, cases, B8, join_after=3)
     assert (2, 1) in moves and counted.mixed == 0 and counted.uniform > 0
     assert {rows for rows, _ in engine.rounds.buffers} >= {2, 4}
+    if graphs:  # a back per row bucket, a front per row bucket and KV bucket
+        assert set(engine.rounds.back_graphs) == {(rows, B8, True) for rows, _ in engine.rounds.buffers}
+        assert {key[2] for key in engine.rounds.front_graphs} >= {32, 64}
     for tokens, (prompt, sampling) in zip(got, cases):
         assert tokens == solo(llm, prompt, sampling, B8), prompt
+
+
+def test_ar_rounds_feed_the_drafter_for_later_trees_under_replayed_graphs(llm, monkeypatch):
+    """Rows that feed the drafter run `ar` rounds (their back writes each token's drafter context),
+    then trees: they draft as requests whose prompts hold those tokens do. Each back's warm-up runs
+    just before a front, on the buffers' stale tree, and changes nothing that is read."""
+    engine = replayed(BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, pad_rows=True),
+                      monkeypatch)
+    prompts = ["def quicksort(xs):", "import os\n", "class Stack:"]
+    seqs, tokens, lengths = [], [], []
+    for prompt in prompts:
+        seq, step = engine.add(llm.encode(prompt), params(), AR, feeds_drafter=True)
+        seqs.append(seq)
+        tokens.append(list(step.tokens))
+        lengths.append([])
+    for round_ in range(8):
+        if round_ == 3:
+            for seq in seqs:
+                engine.set_budget(seq, B8)
+        for seq, step in engine.step():
+            tokens[seqs.index(seq)] += step.tokens
+            lengths[seqs.index(seq)].append(step.acceptance_length)
+        assert_free_rows_idle(engine)
+    assert set(engine.rounds.back_graphs) == {(4, AR, True), (4, B8, True)}
+    assert max(max(row[3:]) for row in lengths) > 1  # the drafter's guesses are worth checking
+    for i, prompt in enumerate(prompts):
+        assert lengths[i][:3] == [1, 1, 1]
+        later = llm.generate(llm.encode(prompt) + tokens[i][:3], params(max_tokens=len(tokens[i]) - 3), tree_budget=8)
+        assert tokens[i][3:] == later.token_ids, prompt
+        assert lengths[i][3:] == later.stats.acceptance_lengths[:5], prompt
 
 
 def test_mixed_budgets_take_the_per_row_round_and_equal_solo_runs(llm, monkeypatch):
