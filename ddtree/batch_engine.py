@@ -125,7 +125,8 @@ class BatchEngine:
                 drafter.use_compiled()
         self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
         self.pad_rows = self.use_graphs if pad_rows is None else pad_rows
-        self.rounds = UniformRounds(self, self.use_graphs, (self.device.type == "cuda") if fused_tree is None else fused_tree)
+        fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
+        self.rounds = UniformRounds(self, self.use_graphs, fused_tree)
 
     @property
     def free_rows(self) -> int:
@@ -180,6 +181,7 @@ class BatchEngine:
             raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
                              f"this engine holds at most {self.max_nodes}")
 
+    @torch.inference_mode()
     def remove(self, seq: Sequence) -> None:
         """The sequence leaves. The sequence in the last live row moves into its row, so that the
         live rows stay 0..R-1 (a round of R rows is then always the round of rows 0..R-1); the last

@@ -64,7 +64,8 @@ class RowBuffers:
         self.visible = torch.zeros(rows, size, size, dtype=torch.bool, device=device)
         self.features = torch.zeros(rows * size, max(engine.feature_dim, 1), dtype=dtype, device=device)
         self.choices = torch.zeros(rows * size, dtype=torch.long, device=device)
-        self.logits: torch.Tensor | None = None  # with graphs: [R * M, V] float32, where every front graph leaves its logits
+        # With graphs, [R * M, V] float32: where every front graph of the key leaves its logits.
+        self.logits: torch.Tensor | None = None
         self.offsets = torch.arange(size, device=device)  # node i of row r sits at slot n[r] + i of the row
         self.keep_offsets = torch.arange(keep, device=device)
         self.row_starts = torch.arange(rows, device=device) * size  # row r's nodes in the packed verify
@@ -171,10 +172,10 @@ class UniformRounds:
         drafter, n = e.drafter, e.n[:r]
         bufs.noise[:, 0].copy_(e.target.embed_tokens(e.root[:r]) * drafter.config.input_embedding_scale)
         local = n[:, None] + bufs.block_offsets  # [R, b]: each row's block positions (= slots in its row)
-        alone = [drafter.block_metas(n[i], b, kv_len) for i in range(r)]
+        alone = [drafter.block_metas(n[i], b, kv_len) for i in range(r)]  # each row's, as if alone
         slots, total = (local + bufs.first_slots[:, None]).reshape(-1), (r - 1) * e.row_slots + kv_len
-        metas = {kind: AttentionMeta(slots, total, rows=[RowSpan(slice(i * b, (i + 1) * b), i * e.row_slots, alone[i][kind])
-                                                         for i in range(r)])
+        metas = {kind: AttentionMeta(slots, total, rows=[RowSpan(slice(i * b, (i + 1) * b), i * e.row_slots,
+                                                                 alone[i][kind]) for i in range(r)])
                  for kind in alone[0]}
         # Full layers: every row in one launch on CUDA; sliding layers (a mask each) go row by row.
         metas["full"].padded = PaddedRows(bufs.block_visible, n, bufs.first_slots, kv_len)
