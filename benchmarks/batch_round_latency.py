@@ -2,13 +2,14 @@
 the batch's choice (ddtree.batch_budget) picks at each batch size.
 
     python -m benchmarks.batch_round_latency OUTPUT.json [--shape qwen3-8b|demo] [--rows 1,4,16]
-        [--budgets ar,16,64] [--context 512] [--acceptance 16=4.15,64=4.86] [--device cuda]
+        [--budgets ar,16,64] [--context 512] [--acceptance 16=4.15,64=4.86] [--device cuda] [--eager]
 
 `--shape qwen3-8b` builds Qwen3-8B and its 5-layer drafter with random bf16 weights (a GPU);
 `demo` loads the shipped demo pair (float32 on the CPU). Every row holds a dummy prompt of
 `--context` tokens; each (rows, budget) cell is the median of a few `BatchEngine.step` rounds
 (`ddtree.round_costs.measure_round_costs`: one untimed round, then three), every row at the
-budget. The floor of a round: the target's weights read once plus every row's KV, or its matmul and
+budget: the engine's fixed-shape round, on CUDA replayed from CUDA graphs (captured in the untimed
+round) unless `--eager`. The floor of a round: the target's weights read once plus every row's KV, or its matmul and
 attention FLOPs over rows x nodes tokens, whichever is longer, plus the drafter's pass for the
 rows that draft (`benchmarks/round_latency.py`'s terms).
 
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--acceptance", default="16=4.15,64=4.86",
                     help="mean acceptance length per drafting budget, for the choice (budget=length,...)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--eager", action="store_true", help="run the rounds eagerly, without CUDA graphs")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -120,7 +122,8 @@ def main() -> None:
     else:
         ceilings = cpu_ceilings()
     engine = BatchEngine(target, drafter, max_len, max(rows_list),
-                         max(b.nodes(drafter.config.block_size) for b in budgets))
+                         max(b.nodes(drafter.config.block_size) for b in budgets),
+                         use_graphs=False if args.eager else None)
     with torch.inference_mode():
         costs = measure_round_costs(engine, budgets, rows_list, [args.context],
                                     log=lambda line: print(line, flush=True))
@@ -139,9 +142,10 @@ def main() -> None:
     print("chosen: " + ", ".join(f"{rows} rows: {pick}" for rows, pick in picks.items()))
     result = {"benchmark": "batch_round_latency",
               "command": "python -m benchmarks.batch_round_latency " + " ".join(
-                  [args.output] + [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "output"]),
+                  [args.output] + [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                   if k not in ("output", "eager")] + (["--eager"] if args.eager else [])),
               "machine": {**machine_info(device), "python": platform.python_version()},
-              "git_revision": git_revision(), "shape": args.shape, "ceilings": ceilings,
+              "git_revision": git_revision(), "shape": args.shape, "graphs": engine.use_graphs, "ceilings": ceilings,
               "acceptance": {str(k): v for k, v in acceptance.items()}, "cells": cells,
               "chosen": {str(rows): pick for rows, pick in picks.items()}}
     with open(args.output, "w") as f:

@@ -2,27 +2,39 @@
 pass and verifies every sequence's tree in one target forward.
 
 A sequence owns a row of the caches: slots [row * S, (row + 1) * S) of the target's and the
-drafter's KV caches, S = max_model_len + the largest tree + 1. Inside its row a sequence's slots
-equal its positions, so all that concerns one sequence (its tree, walk, commit and drafter
-context) is what `ddtree.engine.Engine` does for it alone, on that row. Only the forward passes
-are packed: the linear layers run once over every row's tokens, and each row's attention reads
-its own slots with the meta it would have alone (`layers.RowSpan`). Sequences join (`add`: the
-prompt's prefill) and leave (`remove`) between rounds; each keeps its own tree shape, sampling,
-seed and generator, so its tokens do not depend on which sequences share its rounds (the tests
-check them against the single-sequence engine in float32).
+drafter's KV caches, S = max_model_len + the largest tree + 1. The R live sequences hold rows
+0..R-1: when one leaves, the sequence in the last row moves into its row (its committed entries,
+`KVCache.copy_span`). Inside its row a sequence's slots equal its positions, so all that concerns
+one sequence (its tree, walk, commit and drafter context) is what `ddtree.engine.Engine` does for
+it alone, on that row. Only the forward passes are packed: the linear layers run once over every
+row's tokens, and each row's attention reads its own slots with the meta it would have alone
+(`layers.RowSpan`). Sequences join (`add`: the prompt's prefill) and leave (`remove`) between
+rounds; each keeps its own tree shape, sampling, seed and generator, so its tokens do not depend
+on which sequences share its rounds (the tests check them against the single-sequence engine in
+float32). Each row's committed length and next root token live on the device (`n`, `root`, with
+`live` marking the rows that hold a sequence); `Sequence.n` and `root` are the host's copies, read
+from each round's summary.
+
+A round takes one of two paths:
+- every sequence at one tree shape (the usual case under the batch's budget choice): the
+  fixed-shape round of ddtree.batch_round, whose shapes depend only on (row bucket, budget, KV
+  length), so that on CUDA its two halves (draft + build + verify, walk + commit) are CUDA graphs
+  as `Engine`'s are; on the CPU the same functions run eagerly;
+- mixed shapes: the per-row round, eager, each row's metas, tree, walk and commit made one by one
+  around the packed forwards.
 
 A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
 ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
 entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
-context, which an `ar` round would not feed: a sequence added with `feeds_drafter` keeps the
-target features of its `ar` rounds' tokens and hands them to the drafter before it next drafts
-(or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in any later
-round without paying a drafter call per `ar` round.
+context, which an `ar` round would not feed. A sequence added with `feeds_drafter` has it fed in
+every fixed-shape `ar` round (the batch's drafter call covers all rows at once); in a per-row round
+it keeps the target features of its `ar` rounds' tokens and hands them to the drafter before it
+next drafts (or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in
+any later round without paying a drafter call per `ar` round.
 
-This engine is eager (no CUDA graphs) and serves dense targets; a hybrid target's recurrent
-state is one sequence's, so hybrid targets decode one request at a time (`Engine`). One host
-sync per round reads every row's acceptance length, kept tokens and bonus together; requests
-that ask for log-probs add one more.
+This engine serves dense targets; a hybrid target's recurrent state is one sequence's, so hybrid
+targets decode one request at a time (`Engine`). One host sync per round reads every row's
+acceptance length, kept tokens and bonus together; requests that ask for log-probs add one more.
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ddtree.batch_round import UniformRounds, row_bucket
 from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.engine import PREFILL_CHUNK, Step, prefill_chunks
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
@@ -47,7 +60,7 @@ class Sequence:
     """One request's decoding state: its cache row, committed length `n` (tokens whose KV entries
     are in place), the next root token (the last token emitted), its sampling and tree shape."""
 
-    row: int
+    row: int  # its cache row: the R live sequences hold rows 0..R-1 (`BatchEngine.remove` keeps them so)
     first_slot: int
     params: SamplingParams
     budget: TreeShape
@@ -62,10 +75,15 @@ class Sequence:
 
 class BatchEngine:
     def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
+                 pad_rows: bool | None = None, compile_layers: bool | None = None, fused_tree: bool | None = None):
         """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
         that of the largest tree budget); prefill_chunk: the most tokens of a prompt one forward
-        prefills (`ddtree.engine.prefill_chunks`)."""
+        prefills (`ddtree.engine.prefill_chunks`). For the rounds whose rows share one tree shape
+        (ddtree.batch_round): use_graphs (default: on CUDA) captures them as CUDA graphs; kv_bucket
+        (default: 256 with graphs, else 1) rounds their KV length up; pad_rows (default: use_graphs)
+        rounds their rows up to a row bucket (1, 2, 4, ..., max_rows), so that few graphs serve every
+        row count; compile_layers (default: use_graphs) and fused_tree (default: on CUDA) as `Engine`'s."""
         if getattr(target.config, "hybrid", False):
             raise ValueError("batched decoding serves dense targets; a hybrid target decodes one request at a time")
         if max_rows < 1:
@@ -79,6 +97,7 @@ class BatchEngine:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = drafter.config.block_size if drafter is not None else 0
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
+        self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
         self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
         self.row_slots = max_model_len + max(self.max_nodes, self.block_size) + 1
         self.cache = target.new_cache(max_rows * self.row_slots, self.device, self.dtype)
@@ -91,12 +110,27 @@ class BatchEngine:
             with torch.no_grad():  # the block's b - 1 mask tokens, which never change (as `Engine`)
                 self.draft_noise = target.embed_tokens(mask) * drafter.config.input_embedding_scale
         self.walk_fn = walk  # the acceptance rule (as `Engine.walk_fn`: tests replace it)
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.max_rows = max_rows
         self.sequences: list[Sequence] = []
+        # Per cache row, on the device: the committed length, the next root token and whether a
+        # sequence holds the row. Rounds read and advance them there; `Sequence.n` / `root` are the
+        # host's copies, read from each round's summary. A free row's n is 0.
+        self.n = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.root = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.live = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if self.use_graphs if compile_layers is None else compile_layers:
+            target.use_compiled()
+            if drafter is not None:
+                drafter.use_compiled()
+        self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
+        self.pad_rows = self.use_graphs if pad_rows is None else pad_rows
+        fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
+        self.rounds = UniformRounds(self, self.use_graphs, fused_tree)
 
     @property
     def free_rows(self) -> int:
-        return len(self._free_rows)
+        return self.max_rows - len(self.sequences)
 
     # -- joining and leaving -------------------------------------------------------------------
 
@@ -106,7 +140,7 @@ class BatchEngine:
         """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
         feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
         for a sequence whose budget may change (`set_budget`)."""
-        if not self._free_rows:
+        if not self.free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
         feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
         if feeds_drafter and self.drafter is None:
@@ -118,14 +152,13 @@ class BatchEngine:
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        row = self._free_rows.pop()
+        row = len(self.sequences)  # the first free row
         seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
-        try:
-            logits = self._prefill(seq, prompt)
-            first = choose_tokens(logits, params, generator)[0]
-        except BaseException:
-            self._free_rows.append(row)
-            raise
+        logits = self._prefill(seq, prompt)
+        first = choose_tokens(logits, params, generator)[0]
+        self.n[row].fill_(len(prompt))
+        self.root[row].copy_(first)
+        self.live[row].fill_(True)
         seq.n, seq.root = len(prompt), int(first)  # host sync: the first token is needed now
         self.sequences.append(seq)
         logprobs = None
@@ -148,11 +181,33 @@ class BatchEngine:
             raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
                              f"this engine holds at most {self.max_nodes}")
 
+    @torch.inference_mode()
     def remove(self, seq: Sequence) -> None:
-        """The sequence leaves; its row is free for the next `add` (its stale entries are never
-        read: a sequence reads only slots it has written)."""
+        """The sequence leaves. The sequence in the last live row moves into its row, so that the
+        live rows stay 0..R-1 (a round of R rows is then always the round of rows 0..R-1); the last
+        row becomes free, with n = 0. Stale entries are never read: a sequence reads only slots it
+        has written."""
         self.sequences.remove(seq)
-        self._free_rows.append(seq.row)
+        last = next((s for s in self.sequences if s.row == len(self.sequences)), None)
+        if last is not None:
+            self._move(last, seq.row)
+        free = len(self.sequences)
+        self.n[free].zero_()
+        self.root[free].zero_()
+        self.live[free].fill_(False)
+
+    def _move(self, seq: Sequence, row: int) -> None:
+        """Move `seq` into the free cache `row`: its committed entries (target and drafter, slots
+        [0, n) of its row), its device n and root, and the slots of its unfed `ar` tokens."""
+        first = row * self.row_slots
+        self.cache.copy_span(seq.first_slot, first, seq.n)
+        if seq.feeds_drafter:
+            self.draft_cache.copy_span(seq.first_slot, first, seq.n)
+        shift = first - seq.first_slot
+        seq.unfed = [(features, positions, slots + shift) for features, positions, slots in seq.unfed]
+        self.n[row].copy_(self.n[seq.row])
+        self.root[row].copy_(self.root[seq.row])
+        seq.row, seq.first_slot = row, first
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
         """The prompt's forwards into the row, chunked as `Engine`'s (`prefill_chunks`) -> logits
@@ -220,14 +275,35 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, Step]]:
         """One round of every sequence: draft, build, verify (packed), then each sequence's choice,
-        walk and commit -> each sequence's Step, in `sequences` order."""
+        walk and commit -> each sequence's Step, in `sequences` order. When every sequence has the
+        same tree shape, the fixed-shape round (ddtree.batch_round), else the per-row round."""
         seqs = list(self.sequences)
         if not seqs:
             return []
-        drafting = [s for s in seqs if s.budget.drafts]
-        self._feed([part for seq in drafting for part in seq.unfed])  # their context whole before they draft
-        for seq in drafting:
+        if all(seq.budget == seqs[0].budget for seq in seqs):
+            return self._uniform_step(seqs, seqs[0].budget)
+        return self._mixed_step(seqs)
+
+    def _uniform_step(self, seqs: list[Sequence], budget: TreeShape) -> list[tuple[Sequence, Step]]:
+        """The fixed-shape round of every sequence at `budget` (ddtree.batch_round)."""
+        self._feed_unfed(seqs)  # here `ar` rounds feed the drafter as they go: the context whole first
+        needed = max(self._kv_len(seq) for seq in seqs)  # host n is exact: every round's summary is read
+        kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.row_slots)
+        rows = row_bucket(len(seqs), self.max_rows) if self.pad_rows else len(seqs)
+        summaries, logprobs = self.rounds.run(seqs, rows, budget, kv_len)
+        return [(seq, self._commit(seq, summaries[seq.row], logprobs.get(id(seq)))) for seq in seqs]
+
+    def _feed_unfed(self, seqs: list[Sequence]) -> None:
+        """The unfed `ar` tokens of `seqs` into the drafter's context, in one call."""
+        self._feed([part for seq in seqs for part in seq.unfed])
+        for seq in seqs:
             seq.unfed.clear()
+
+    def _mixed_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, Step]]:
+        """The per-row round, for sequences of different tree shapes: each row's draft metas, tree,
+        walk and commit made one by one around the packed forwards."""
+        drafting = [s for s in seqs if s.budget.drafts]
+        self._feed_unfed(drafting)  # their context whole before they draft
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
         trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
 
@@ -274,15 +350,28 @@ class BatchEngine:
         steps, at = [], 0
         for seq, tree in zip(seqs, trees):
             keep = min(tree.size, self.block_size or 1)
-            summary = flat[at:at + keep + 2]
+            steps.append((seq, self._commit(seq, flat[at:at + keep + 2], kept_logprobs.get(id(seq)))))
             at += keep + 2
-            a = summary[0]
-            emitted = summary[2:1 + a] + [summary[-1]]
-            seq.n += a
-            seq.root = summary[-1]
-            logprobs = None
-            if id(seq) in kept_logprobs:  # a second sync, for requests that ask for log-probs only
-                values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs[id(seq)])
-                logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
-            steps.append((seq, Step(emitted, a, logprobs, seq.budget)))
+        self._store_rows()
         return steps
+
+    def _commit(self, seq: Sequence, summary: list[int], kept_logprobs: tuple | None) -> Step:
+        """The host's side of a round of `seq`: its summary [a, kept tokens, bonus] (and the
+        log-probs at its kept nodes, for a request that asks) -> its Step; n and root advance."""
+        a = summary[0]
+        emitted = summary[2:1 + a] + [summary[-1]]
+        seq.n += a
+        seq.root = summary[-1]
+        logprobs = None
+        if kept_logprobs is not None:  # a second sync, for requests that ask for log-probs only
+            values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs)
+            logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
+        return Step(emitted, a, logprobs, seq.budget)
+
+    def _store_rows(self) -> None:
+        """Every live row's n and root from the host's copies onto the device (after a per-row
+        round, which reads and advances the host's)."""
+        rows = sorted(self.sequences, key=lambda seq: seq.row)
+        values = torch.tensor([[seq.n for seq in rows], [seq.root for seq in rows]], dtype=torch.long)
+        self.n[:len(rows)].copy_(values[0])
+        self.root[:len(rows)].copy_(values[1])

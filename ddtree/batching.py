@@ -43,7 +43,9 @@ class BatchedRequests:
         self.llm = llm
         self.max_rows = max_rows
         self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes,
-                                  prefill_chunk=llm.engine.prefill_chunk)
+                                  prefill_chunk=llm.engine.prefill_chunk, use_graphs=llm.engine.use_graphs,
+                                  kv_bucket=llm.engine.kv_bucket, fused_tree=llm.engine.fused_tree,
+                                  compile_layers=False)  # the models run as the LLM set them
         self.running: list[BatchedRequest] = []
 
     @property

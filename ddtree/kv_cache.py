@@ -43,6 +43,17 @@ class KVCache:
                 self.k[layer].index_copy_(0, slots, k[:, layer])
                 self.v[layer].index_copy_(0, slots, v[:, layer])
 
+    def copy_span(self, src: int, dst: int, length: int) -> None:
+        """Copy slots [src, src + length) to [dst, dst + length) in all layers (a sequence moving to
+        another cache row). Overlapping spans are copied as if through a temporary."""
+        if length <= 0 or src == dst:
+            return
+        for cache in (self.k, self.v):
+            source = cache[:, src:src + length]
+            if abs(src - dst) < length:
+                source = source.clone()
+            cache[:, dst:dst + length].copy_(source)
+
     def compact(self, start: int | torch.Tensor, order: torch.Tensor) -> None:
         """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.
 

@@ -86,17 +86,23 @@ def test_rows_whose_budget_changes_every_round_give_their_solo_greedy_tokens(llm
     assert results[4].token_ids == llm.generate(sampled[0], sampled[1], tree_budget=16).token_ids
 
 
-@pytest.mark.parametrize("feed_every", [64, 3], ids=["fed_at_the_switch", "fed_on_the_way_too"])
-def test_a_row_drafting_after_ar_rounds_drafts_from_its_whole_context(llm, scripted, monkeypatch, feed_every):
+@pytest.mark.parametrize("feed_every,neighbour", [(64, None), (64, CHAIN), (3, CHAIN)],
+                         ids=["fed_every_round", "fed_at_the_switch", "fed_on_the_way_too"])
+def test_a_row_drafting_after_ar_rounds_drafts_from_its_whole_context(llm, scripted, monkeypatch, feed_every,
+                                                                      neighbour):
     """After k rounds of `ar` a row drafts as a request whose prompt holds those k tokens does:
-    the `ar` rounds' features reached the drafter's context (all at the switch, or some once
+    the `ar` rounds' features reached the drafter's context (alone, in fixed-shape rounds, every
+    round; beside a row of another shape, in per-row rounds, all at the switch, or some once
     FEED_EVERY had gathered and the rest at the switch)."""
     monkeypatch.setattr(batch_engine, "FEED_EVERY", feed_every)
     k = 5
     scripted(lambda r, i: AR if r < k else B16)
     prompt = llm.encode("def quicksort(xs):")
-    fresh = BatchedRequests(llm, max_rows=1, max_nodes=17)  # no stale drafter entries from earlier runs
-    result = run(fresh, [(prompt, params(max_tokens=40), B16, True)])[0]
+    fresh = BatchedRequests(llm, max_rows=2, max_nodes=17)  # no stale drafter entries from earlier runs
+    requests = [(prompt, params(max_tokens=40), B16, True)]
+    if neighbour is not None:
+        requests.append((llm.encode("x = [1, 2"), params(max_tokens=40), neighbour, False))
+    result = run(fresh, requests)[0]
     assert result.stats.acceptance_lengths[:k] == [1] * k
     later = llm.generate(prompt + result.token_ids[:k], params(max_tokens=40 - k), tree_budget=16)
     assert result.token_ids[k:] == later.token_ids

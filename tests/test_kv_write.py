@@ -133,3 +133,22 @@ def test_cache_compact_uses_the_same_moves():
     assert cache.k[0, 20:26, 0, 0].tolist() == [20, 23, 24, 29, 21, 22]
     assert torch.equal(cache.v, -cache.k)
     assert cache.k[1, :20, 0, 0].tolist() == list(range(20)) and cache.k[1, 26:, 0, 0].tolist() == list(range(26, 40))
+
+
+def test_cache_copy_span_moves_a_row_in_every_layer():
+    """`KVCache.copy_span`: slots [src, src + L) land at [dst, dst + L) in every layer, keys and
+    values; nothing else changes; overlapping spans copy as if through a temporary."""
+    cache = KVCache(layers=3, slots=40, kv_heads=2, head_dim=16, device=DEVICE, dtype=torch.float32)
+    cache.k[:] = torch.arange(40, device=DEVICE, dtype=torch.float32)[None, :, None, None]
+    cache.k += 100 * torch.arange(3, device=DEVICE, dtype=torch.float32)[:, None, None, None]
+    cache.v[:] = -cache.k
+    before = cache.k.clone()
+    cache.copy_span(30, 5, 7)  # a later row into an earlier one
+    expected = before.clone()
+    expected[:, 5:12] = before[:, 30:37]
+    assert torch.equal(cache.k, expected) and torch.equal(cache.v, -expected)
+    cache.copy_span(5, 8, 6)  # overlapping: slots 8..13 take what 5..10 held
+    expected[:, 8:14] = expected[:, 5:11].clone()
+    assert torch.equal(cache.k, expected) and torch.equal(cache.v, -expected)
+    cache.copy_span(0, 20, 0)  # nothing to copy
+    assert torch.equal(cache.k, expected)

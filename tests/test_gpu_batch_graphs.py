@@ -1,0 +1,97 @@
+"""On a CUDA GPU: the batched engine's fixed-shape rounds replayed from CUDA graphs
+(ddtree.batch_round) give every row the tokens of its run alone, with rows joining and leaving
+from the middle and padding rows in a row bucket; in bf16, replay equals the same rounds run
+eagerly with the same kernels and buckets.
+
+Skipped where no GPU is present (the CPU suite runs the same functions eagerly, and the graphs'
+logic with a capture as one run and a replay as another: tests/test_batch_uniform_rounds.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.batch_engine import BatchEngine
+from ddtree.config import SamplingParams
+from ddtree.llm import LLM
+from ddtree.tree_shape import AR, CHAIN, TreeShape
+from tiny_models import make_drafter, make_target
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MAX_LEN = 1024
+BUDGETS = [AR, CHAIN, TreeShape.best(16), TreeShape.best(64)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_batch")
+    make_target(root / "t", "qwen3", vocab=512, hidden=128, layers=4, max_positions=2048, peak=10.0)
+    make_drafter(root / "d", root / "t", block_size=16)
+    return root / "t", root / "d"
+
+
+def cases(seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """Five requests of different lengths: greedy and sampled (own seeds), the second the shortest,
+    so that a middle row leaves first."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, max_tokens in enumerate([96, 24, 80, 64, 48]):
+        prompt = torch.randint(2, 500, (int(torch.randint(5, 300, (1,), generator=gen)),), generator=gen).tolist()
+        temperature = 0.0 if i % 2 == 0 else 0.8
+        out.append((prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=100 + i,
+                                           ignore_eos=True)))
+    return out
+
+
+def decode(engine: BatchEngine, requests, budget: TreeShape) -> list[list[int]]:
+    """Three rows start, the others join one per round as rows free up (max_rows 4: three live rows
+    run in a bucket of 4); each leaves at its max_tokens -> every request's tokens."""
+    waiting, tokens, index = list(enumerate(requests)), {}, {}
+
+    def join():
+        i, (prompt, params) = waiting.pop(0)
+        seq, step = engine.add(prompt, params, budget)
+        index[id(seq)], tokens[i] = i, list(step.tokens)
+
+    for _ in range(3):
+        join()
+    while engine.sequences:
+        for seq, step in engine.step():
+            i = index[id(seq)]
+            tokens[i] += step.tokens
+            if len(tokens[i]) >= requests[i][1].max_tokens:
+                engine.remove(seq)
+        live = len(engine.sequences)
+        assert engine.n[live:].tolist() == [0] * (engine.max_rows - live)  # free and padding rows stay at 0
+        if waiting and engine.free_rows:
+            join()
+    return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(requests)]
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+def test_graph_rounds_equal_solo_runs_float32(pair, budget):
+    target, draft = pair
+    solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
+    batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
+    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=65)
+    assert engine.use_graphs and engine.pad_rows
+    requests = cases(seed=1)
+    got = decode(engine, requests, budget)
+    assert engine.rounds.front_graphs and engine.rounds.back_graphs, "no graph was captured"
+    assert {rows for rows, _ in engine.rounds.buffers} >= {4, 2}
+    for tokens, (prompt, params) in zip(got, requests):
+        assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, (budget, prompt[:8])
+
+
+def test_graph_rounds_equal_eager_rounds_bf16(pair):
+    """bf16 rounds differently in fused kernels: the eager engine uses the same compiled layers,
+    KV bucket, row buckets and tree-build kernels, so the two run the same arithmetic."""
+    target, draft = pair
+    llm = LLM(target, draft, device="cuda", dtype="bfloat16", use_graphs=True, max_model_len=MAX_LEN)
+    graphs = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=65)
+    eager = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=65, use_graphs=False,
+                        kv_bucket=graphs.kv_bucket, pad_rows=True, compile_layers=True, fused_tree=True)
+    requests = cases(seed=2)
+    for budget in BUDGETS:
+        assert decode(graphs, requests, budget) == decode(eager, requests, budget), budget
+    assert graphs.rounds.front_graphs and not eager.rounds.front_graphs
