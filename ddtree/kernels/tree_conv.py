@@ -1,24 +1,17 @@
-"""A draft tree's Gated DeltaNet inputs as one Triton launch per layer: the causal depthwise conv
-over each node's own root path, SiLU, the L2 norms of q and k, the decay g and the write strength
-beta, and the commit's stash.
+"""A draft tree's causal depthwise conv (Gated DeltaNet's, before the recurrence) as one Triton launch.
 
 Each node is convolved over its own root path: tap K - 1 is the node, tap K - 1 - j its j-th
 ancestor, and past the root the committed conv window's rows (`models.hybrid.conv_ancestors`
-names them: indices into [window (K - 1 rows); nodes (N rows)]). The arithmetic is
-`models.hybrid.gdn_tree_inputs`'s, in its order and with its roundings: the conv summed in
-float32 tap by tap, rounded to the inputs' dtype, SiLU'd and rounded again; q and k L2-normalised
-in float32 (q scaled by Dk ** -0.5, `gated_deltanet.normalize_qk`); g = -exp(A_log) softplus(a +
-dt_bias) in float32; beta = sigmoid(b) rounded to b's dtype. Sums over a head's channels may
-add in another order than PyTorch's, so q and k agree with it to float32 rounding, not bit for bit.
+names them: indices into [window (K - 1 rows); nodes (N rows)]). The result, SiLU'd, is what
+`models.hybrid.conv_silu(tree_conv_taps(...))` gives, summed in float32 tap by tap in the same
+order and rounded once to the inputs' dtype before the SiLU.
 
-Compiled by Inductor with the rest of the verify's glue, this work was five kernels per layer at
-65 nodes of Qwen3.6-27B: the gather and conv (about 11 us), the two norms (3.5 us each), g and
-beta (about 1 us each) (`verify_profile_h200_qwen36_27b_glue.json`), where the data moved is a
-few MB (about 2 us at the H200's copy bandwidth). Here program (node, p) takes HEADS heads of q,
-k or v (p in that order) or, the last p, the node's g and beta: a node's K source rows are found
-once on the scalar path, so each tap is one contiguous load, and a head's norm is a row sum of
-the program's own tile. The programs also store the node's own conv inputs in the commit's stash
-(which the commit's window update reads), so nothing else copies them.
+Compiled by Inductor with the rest of the verify's glue this was one gather-and-convolve kernel
+of about 11 us per layer at 65 nodes of Qwen3.6-27B (10240 channels: about 8 MB moved, some 2 us
+at the H200's copy bandwidth; `verify_profile_h200_qwen36_27b_glue.json`). Here a program takes
+one node and BLOCK_C channels: its K source rows are found once on the scalar path (a node's
+ancestor indices), so each tap is one contiguous load. It also stores the node's own conv input
+in the commit's stash (which the commit's window update reads), so nothing else copies it.
 """
 from __future__ import annotations
 
@@ -29,58 +22,47 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CPU install has no Triton: `models.hybrid` runs PyTorch there
+except ImportError:  # the CPU install has no Triton: `models.hybrid` convolves with PyTorch there
     triton = None
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HEADS = 4  # heads per program: 512 channels at Qwen3.6-27B's head_dim 128
-L2_EPS = 1e-6  # gated_deltanet.L2_EPS
+BLOCK_C = 1024  # channels per program: 10 programs per node at Qwen3.6-27B's 10240
 
 
-def supported(window: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor, key_dim: int, value_dim: int) -> bool:
-    """Triton, a GPU (or the interpreter), unit channel strides, a window [K - 1, C] and a weight
-    [C, K], head dims that are powers of two."""
+def supported(window: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Triton, a GPU (or the interpreter), unit channel strides, a window [K - 1, C] and a weight [C, K]."""
     if triton is None or not (mixed.is_cuda or _INTERPRETED):
         return False
     c, k = weight.shape
-    pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (key_dim, value_dim))
-    return (pow2 and mixed.dim() == 2 and mixed.shape[1] == c and mixed.stride(1) == 1
-            and window.shape == (k - 1, c) and window.stride(1) == 1 and weight.is_contiguous())
+    return (mixed.dim() == 2 and mixed.shape[1] == c and mixed.stride(1) == 1 and window.shape == (k - 1, c)
+            and window.stride(1) == 1 and weight.is_contiguous())
 
 
-def tree_gdn_inputs(window: torch.Tensor, mixed: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor,
-                    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    hk: int, dk: int, hv: int, dv: int, mixed_out: torch.Tensor, k_out: torch.Tensor):
-    """window [K - 1, C] (committed conv inputs), mixed [N, C] (the nodes' conv inputs, C = 2 Hk Dk +
-    Hv Dv, any row stride), ancestors [N, K] long (`conv_ancestors`), weight [C, K], a, b [N, Hv]
-    (any row stride), A_log, dt_bias [Hv] -> q [N, Hk, Dk] float32 (normalised, scaled), v [N, Hv,
-    Dv] (mixed's dtype), g, beta [N, Hv] float32. mixed_out [N, C] <- mixed; k_out [N, Hk, Dk]
-    float32 <- the normalised keys (both with a unit last stride)."""
+def tree_conv_silu(window: torch.Tensor, mixed: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor,
+                   mixed_out: torch.Tensor) -> torch.Tensor:
+    """window [K - 1, C] (committed conv inputs), mixed [N, C] (the nodes' conv inputs, any row
+    stride), ancestors [N, K] long (`conv_ancestors`), weight [C, K] -> SiLU(conv) [N, C] in
+    mixed's dtype. mixed_out [N, C] (unit channel stride) receives a copy of mixed."""
     n, c = mixed.shape
-    kernel = weight.shape[1]
-    device = mixed.device
-    q = torch.empty(n, hk, dk, dtype=torch.float32, device=device)
-    v = torch.empty(n, hv, dv, dtype=mixed.dtype, device=device)
-    g = torch.empty(n, hv, dtype=torch.float32, device=device)
-    beta = torch.empty(n, hv, dtype=torch.float32, device=device)
-    key_blocks, value_blocks = triton.cdiv(hk, HEADS), triton.cdiv(hv, HEADS)
-    _tree_gdn_inputs[(n, 2 * key_blocks + value_blocks + 1)](
-        window, mixed, ancestors.contiguous(), weight, a, b, A_log, dt_bias, q, k_out, v, g, beta, mixed_out,
-        window.stride(0), mixed.stride(0), a.stride(0), b.stride(0), k_out.stride(0), k_out.stride(1),
-        mixed_out.stride(0), HK=hk, HV=hv, DK=dk, DV=dv, K=kernel, HEADS=HEADS,
-        HV_BLOCK=triton.next_power_of_2(hv), EPS=L2_EPS, num_warps=4)
-    return q, v, g, beta
+    k = weight.shape[1]
+    out = torch.empty(n, c, dtype=mixed.dtype, device=mixed.device)
+    ancestors = ancestors.contiguous()
+    _tree_conv[(n, triton.cdiv(c, BLOCK_C))](
+        window, mixed, ancestors, weight, out, mixed_out, c, window.stride(0), mixed.stride(0), mixed_out.stride(0),
+        K=k, BLOCK_C=BLOCK_C, num_warps=4)
+    return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
-                   s_stash, K: tl.constexpr):
-        """Node i's channels c (a tile of any shape, `ok` its mask): SiLU(sum_j x_j w_j), the sum in
-        float32 rounded to the inputs' dtype, SiLU'd and rounded again (returned as float32). The
-        node's own inputs go to the stash."""
-        acc = tl.zeros(c.shape, tl.float32)
+    def _tree_conv(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, out_ptr, stash_ptr, channels, s_window,
+                   s_mixed, s_stash, K: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (node i, channel block): sum_j x_j w_j over its K taps, rounded, SiLU'd."""
+        i = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = c < channels
+        acc = tl.zeros([BLOCK_C], tl.float32)
         for j in tl.static_range(K):
             w = tl.load(weight_ptr + c * K + j, mask=ok, other=0.0).to(tl.float32)
             if j == K - 1:  # the node itself
@@ -97,50 +79,5 @@ if triton is not None:
                 acc = x.to(tl.float32) * w
             else:
                 acc = acc + x.to(tl.float32) * w
-        y = acc.to(mixed_ptr.dtype.element_ty).to(tl.float32)
-        return (y / (1.0 + tl.exp(-y))).to(mixed_ptr.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _tree_gdn_inputs(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-                         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stash_ptr, s_window, s_mixed, s_a, s_b, sk_n, sk_h,
-                         s_stash, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         K: tl.constexpr, HEADS: tl.constexpr, HV_BLOCK: tl.constexpr, EPS: tl.constexpr):
-        """Program (node i, p): p < 2 KB: HEADS query (then key) heads, normalised; then HEADS value
-        heads; the last p: the node's g and beta (KB = cdiv(HK, HEADS) key blocks)."""
-        i = tl.program_id(0)
-        p = tl.program_id(1)
-        key_blocks = (HK + HEADS - 1) // HEADS
-        value_blocks = (HV + HEADS - 1) // HEADS
-        hi = tl.arange(0, HEADS)
-        if p < 2 * key_blocks:
-            is_key = p >= key_blocks
-            heads = (p - key_blocks * is_key.to(tl.int32)) * HEADS + hi
-            d = tl.arange(0, DK)
-            ok = (heads < HK)[:, None] & (d < DK)[None, :]
-            c = is_key.to(tl.int32) * HK * DK + heads[:, None] * DK + d[None, :]  # [HEADS, DK]
-            x = _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
-                           s_stash, K)
-            x = x * tl.rsqrt(tl.sum(x * x, 1) + EPS)[:, None]
-            if is_key:
-                tl.store(k_ptr + i * sk_n + heads[:, None] * sk_h + d[None, :], x, mask=ok)
-            else:
-                tl.store(q_ptr + (i * HK + heads[:, None]) * DK + d[None, :], x * (DK ** -0.5), mask=ok)
-        elif p < 2 * key_blocks + value_blocks:
-            heads = (p - 2 * key_blocks) * HEADS + hi
-            d = tl.arange(0, DV)
-            ok = (heads < HV)[:, None] & (d < DV)[None, :]
-            c = 2 * HK * DK + heads[:, None] * DV + d[None, :]  # [HEADS, DV]
-            x = _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
-                           s_stash, K)
-            tl.store(v_ptr + (i * HV + heads[:, None]) * DV + d[None, :], x.to(v_ptr.dtype.element_ty), mask=ok)
-        else:
-            h = tl.arange(0, HV_BLOCK)
-            ok = h < HV
-            x = tl.load(a_ptr + i * s_a + h, mask=ok, other=0.0).to(tl.float32) + \
-                tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # F.softplus, threshold 20
-            decay = -tl.exp(tl.load(a_log_ptr + h, mask=ok, other=0.0).to(tl.float32)) * softplus
-            tl.store(g_ptr + i * HV + h, decay, mask=ok)
-            bb = tl.load(b_ptr + i * s_b + h, mask=ok, other=0.0)
-            sig = (1.0 / (1.0 + tl.exp(-bb.to(tl.float32)))).to(bb.dtype).to(tl.float32)
-            tl.store(beta_ptr + i * HV + h, sig, mask=ok)
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + i * channels + c, (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty), mask=ok)

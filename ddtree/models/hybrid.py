@@ -13,9 +13,9 @@ Layer math, as transformers' `qwen3_5` (the tests' oracle):
 How a forward treats the recurrent layers depends on `AttentionMeta` (its docstring): a tree verify
 (`meta.parents` set) convolves each node over its own ancestors (then the committed conv window)
 and runs the tree form of the recurrence, writing no state: the conv inputs are gathered inside
-the function that convolves them, which also writes the commit's stash (on CUDA one Triton
-kernel, `kernels.tree_conv`; elsewhere `gdn_tree_inputs`); a sequence (prefill, `ar` step,
-commit) advances the state and the window.
+the function that convolves them, which also writes the commit's stash (on CUDA the Triton kernel
+`kernels.tree_conv`, then `gdn_tree_recurrence_inputs` compiled; elsewhere `gdn_tree_inputs`); a
+sequence (prefill, `ar` step, commit) advances the state and the window.
 """
 from __future__ import annotations
 
@@ -145,6 +145,15 @@ def gdn_tree_inputs(window, mixed, ancestors, visible, a, b, conv_weight, A_log,
     return q, v, g, beta
 
 
+def gdn_tree_recurrence_inputs(conv, a, b, A_log, dt_bias, k_out, hk: int, dk: int, hv: int, dv: int):
+    """`gdn_tree_inputs` after the conv, for the kernel path (`tree_conv` convolves and stashes the
+    conv inputs; `tree_gated_delta` writes G): conv [N, C] (SiLU'd), a, b [N, Hv] -> q, v, g,
+    beta; k_out [N, Hk, Dk] float32 <- the normalised keys."""
+    q, k, v, g, beta = recurrence_inputs(conv, a, b, A_log, dt_bias, hk, dk, hv, dv)
+    k_out.copy_(k)
+    return q, v, g, beta
+
+
 def gdn_output(o, z, norm_w, eps: float, hv: int, dv: int):
     """o [N, Hv, Dv] float32, z [N, Hv * Dv] -> RMSNorm(o) * w * silu(z) as [N, Hv * Dv]."""
     n = o.shape[0]
@@ -160,8 +169,8 @@ class HybridOps:
     """The elementwise glue of the hybrid layers: eager, or each function compiled once for all
     layers (CUDA), as `fused.LayerOps` does for dense targets."""
 
-    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_tree_inputs", "gdn_output",
-             "swiglu")
+    NAMES = ("add_and_norm", "attention_inputs", "gated_output", "gdn_inputs", "gdn_tree_inputs",
+             "gdn_tree_recurrence_inputs", "gdn_output", "swiglu")
 
     def __init__(self, compiled: bool):
         for name in self.NAMES:
@@ -279,11 +288,11 @@ class GatedDeltaNet(nn.Module):
         k = scratch.k[index, :n]  # the normalised keys go straight to the commit's stash; read from there
         u_out, G_out = scratch.u[index, :, :n], scratch.G[index, :n]
         if self._tree_kernels(window, mixed, state):
-            # The inputs (conv, norms, gates, stash) in one kernel; G written by the tree kernel,
-            # which sums it anyway.
-            q, v, g, beta = tree_conv.tree_gdn_inputs(window, mixed, ancestors, self.conv_weight, a, b, self.A_log,
-                                                      self.dt_bias, self.hk, self.dk, self.hv, self.dv,
-                                                      scratch.mixed[index, :n], k)
+            # The conv as one kernel (it also stashes the conv inputs), the recurrence's inputs
+            # compiled, and G written by the tree kernel, which sums it anyway.
+            conv = tree_conv.tree_conv_silu(window, mixed, ancestors, self.conv_weight, scratch.mixed[index, :n])
+            q, v, g, beta = ops.gdn_tree_recurrence_inputs(conv, a, b, self.A_log, self.dt_bias, k, self.hk, self.dk,
+                                                           self.hv, self.dv)
             return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out, G_out=G_out)
         q, v, g, beta = ops.gdn_tree_inputs(window, mixed, ancestors, meta.block_mask, a, b, self.conv_weight,
                                             self.A_log, self.dt_bias, scratch.mixed[index, :n], k, G_out, self.hk,
@@ -293,7 +302,7 @@ class GatedDeltaNet(nn.Module):
     def _tree_kernels(self, window, mixed, state) -> bool:
         """Whether the verify runs the Triton path (the conv and the tree recurrence as kernels)."""
         return (KERNELS_ENABLED and mixed.is_cuda and tree_conv is not None
-                and tree_conv.supported(window, mixed, self.conv_weight, self.dk, self.dv)
+                and tree_conv.supported(window, mixed, self.conv_weight)
                 and gdn_kernels.supported_heads(self.hk, self.dk, self.hv, self.dv, mixed.dtype, state))
 
 
