@@ -148,3 +148,36 @@ def test_tree_conv_kernel_equals_the_materialised_conv(dtype):
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, **tol)
         assert torch.equal(stash, x["mixed"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_kernel_equals_gdn_tree_inputs(dtype):
+    """`kernels.tree_gdn_inputs` (on the CPU in Triton's interpreter) gives what
+    `gdn_tree_inputs` gives eagerly: the conv (each node over its ancestors, then the window), SiLU,
+    normalised q and k, v, g and beta, and the stash of the conv inputs (exactly). In float32 to
+    float32 rounding (a head's sum of squares and exp/log may add in another order); in bf16
+    within one rounding step of the conv and of beta."""
+    pytest.importorskip("triton")
+    from ddtree.kernels import tree_gdn_inputs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seed, tree in enumerate(trees()):
+        x = {name: t.to(device) for name, t in layer_inputs(tree, dtype, seed).items()}
+        n = x["mixed"].shape[0]
+        assert tree_gdn_inputs.supported(x["window"], x["mixed"], x["conv_weight"], DK, DV)
+        stash, k_out = torch.zeros(n, C, dtype=dtype, device=device), torch.zeros(n, HK, DK, device=device)
+        q, v, g, beta = tree_gdn_inputs.tree_gdn_inputs(x["window"], x["mixed"], x["ancestors"], x["conv_weight"],
+                                                        x["a"], x["b"], x["A_log"], x["dt_bias"], HK, DK, HV, DV,
+                                                        stash, k_out)
+        want_q, want_k, want_v, want_g, want_beta, _, _ = materialised(x)
+        assert q.dtype == k_out.dtype == g.dtype == beta.dtype == torch.float32 and v.dtype == dtype
+        assert torch.equal(stash, x["mixed"])
+        torch.testing.assert_close(g, want_g, atol=1e-6, rtol=1e-5)
+        if dtype == torch.float32:
+            tol = dict(atol=1e-6, rtol=1e-5)
+        else:  # bf16 roundings (the conv's, beta's) can land one step apart; q and k are normalised after
+            tol = dict(atol=2e-2, rtol=2 ** -6)
+        torch.testing.assert_close(beta, want_beta, **tol)
+        torch.testing.assert_close(v, want_v, **tol)
+        torch.testing.assert_close(q, want_q, **tol)
+        torch.testing.assert_close(k_out, want_k, **tol)

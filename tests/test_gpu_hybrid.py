@@ -61,3 +61,20 @@ def test_graphs_equal_eager(pair, dtype):
             a, b = graphs.generate(prompt, params, budget), eager.generate(prompt, params, budget)
             assert a.token_ids == b.token_ids, (dtype, budget, params.temperature)
             assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
+
+
+def test_fused_inputs_greedy_equals_transformers(pair, monkeypatch):
+    """The opt-in fused inputs kernel (DDTREE_FUSED_GDN_INPUTS=1, `kernels.tree_gdn_inputs`)
+    through the graph path: greedy output equals transformers' in float32 at every budget."""
+    from ddtree.models import hybrid
+
+    monkeypatch.setattr(hybrid, "FUSED_INPUTS", True)
+    hf, target, draft = pair
+    llm = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=1024)
+    prompt = list(range(20, 61))
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    for budget in BUDGETS:
+        assert llm.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True), budget).token_ids == expected, budget

@@ -37,13 +37,16 @@ log = logging.getLogger("ddtree.models")
 
 try:  # the Triton kernels of the tree and token-loop forms and the tree's conv (CUDA); PyTorch elsewhere
     from ddtree.kernels import gdn_tree as gdn_kernels
-    from ddtree.kernels import tree_conv
+    from ddtree.kernels import tree_conv, tree_gdn_inputs
 except ImportError:
-    gdn_kernels = tree_conv = None
+    gdn_kernels = tree_conv = tree_gdn_inputs = None
 
 
 # DDTREE_GDN_KERNELS=0 runs the PyTorch forms on CUDA too (to measure the kernels against them).
 KERNELS_ENABLED = os.environ.get("DDTREE_GDN_KERNELS", "1") != "0"
+# DDTREE_FUSED_GDN_INPUTS=1: the verify's inputs (conv, norms, gates, stash) in one kernel
+# (`kernels.tree_gdn_inputs`, not yet run on a GPU) instead of the conv kernel and compiled glue.
+FUSED_INPUTS = os.environ.get("DDTREE_FUSED_GDN_INPUTS", "0") == "1"
 
 
 def _use_kernels(q, k, v, state) -> bool:
@@ -289,10 +292,16 @@ class GatedDeltaNet(nn.Module):
         u_out, G_out = scratch.u[index, :, :n], scratch.G[index, :n]
         if self._tree_kernels(window, mixed, state):
             # The conv as one kernel (it also stashes the conv inputs), the recurrence's inputs
-            # compiled, and G written by the tree kernel, which sums it anyway.
-            conv = tree_conv.tree_conv_silu(window, mixed, ancestors, self.conv_weight, scratch.mixed[index, :n])
-            q, v, g, beta = ops.gdn_tree_recurrence_inputs(conv, a, b, self.A_log, self.dt_bias, k, self.hk, self.dk,
-                                                           self.hv, self.dv)
+            # compiled (or all in one kernel, FUSED_INPUTS), and G written by the tree kernel,
+            # which sums it anyway.
+            if FUSED_INPUTS and tree_gdn_inputs.supported(window, mixed, self.conv_weight, self.dk, self.dv):
+                q, v, g, beta = tree_gdn_inputs.tree_gdn_inputs(
+                    window, mixed, ancestors, self.conv_weight, a, b, self.A_log, self.dt_bias, self.hk, self.dk,
+                    self.hv, self.dv, scratch.mixed[index, :n], k)
+            else:
+                conv = tree_conv.tree_conv_silu(window, mixed, ancestors, self.conv_weight, scratch.mixed[index, :n])
+                q, v, g, beta = ops.gdn_tree_recurrence_inputs(conv, a, b, self.A_log, self.dt_bias, k, self.hk,
+                                                               self.dk, self.hv, self.dv)
             return gdn_kernels.tree_gated_delta(q, k, v, g, beta, meta.block_mask, state, u_out=u_out, G_out=G_out)
         q, v, g, beta = ops.gdn_tree_inputs(window, mixed, ancestors, meta.block_mask, a, b, self.conv_weight,
                                             self.A_log, self.dt_bias, scratch.mixed[index, :n], k, G_out, self.hk,

@@ -1,0 +1,135 @@
+"""Compile every Triton kernel the CPU tests launch for an NVIDIA GPU, without one.
+
+Triton's interpreter (how the tests run the kernels on a CPU) lets through some code its compiler
+refuses, e.g. one name given tiles of two shapes in two branches of an `if`. This finds those
+before a GPU does:
+
+    python scripts/check_kernels_compile.py [--arch 90] [pytest arguments]
+
+1. runs the tests (default: the kernel tests) in the interpreter, recording each launch: the
+   kernel, its arguments' types, its constexprs and num_warps / num_stages;
+2. compiles each distinct launch, in a process without the interpreter, with `triton.compile`
+   for the target (sm_90, the H100's and H200's, by default), down to a cubin.
+
+Compiling is not running: shared memory and register limits are checked at launch, and the
+numbers by the tests themselves. Exit status 1 if a launch does not compile.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD_ENV = "DDTREE_RECORD_LAUNCHES"
+KERNEL_TESTS = ["tests/test_tree_attention.py", "tests/test_batched_attention.py", "tests/test_gdn_kernels.py",
+                "tests/test_gdn_tree_inputs.py", "tests/test_kv_write.py", "tests/test_tree_kernels.py"]
+POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "float64": "*fp64", "int64": "*i64",
+                 "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+OPTIONS = ("num_warps", "num_stages")
+
+
+# -- 1. recording, as a pytest plugin (`-p check_kernels_compile` with this folder on the path) --------
+
+def _arg_type(value) -> str:
+    """The compiler's signature type of a launch argument."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no signature type for {type(value).__name__}")
+
+
+def _record(launches: list, fn, args: tuple, kwargs: dict) -> None:
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    signature, constexprs = {}, {}
+    for name, param in params.items():
+        if "constexpr" in str(param.annotation):
+            constexprs[name] = bound.get(name, param.default)
+        else:
+            signature[name] = _arg_type(bound[name])
+    launches.append({"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
+                     "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}})
+
+
+if os.environ.get(RECORD_ENV):
+    from triton.runtime import interpreter
+
+    _LAUNCHES: list = []
+    _run = interpreter.InterpretedFunction.run
+
+    def _recording_run(self, *args, grid, warmup, **kwargs):
+        _record(_LAUNCHES, self.fn, args, kwargs)
+        return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = _recording_run
+
+    def pytest_sessionfinish(session, exitstatus):
+        unique = {json.dumps(launch, sort_keys=True) for launch in _LAUNCHES}
+        Path(os.environ[RECORD_ENV]).write_text(json.dumps([json.loads(u) for u in sorted(unique)]))
+
+
+# -- 2. compiling ------------------------------------------------------------------------------------------
+
+def compile_launches(path: Path, arch: int) -> int:
+    """Compile every recorded launch for sm_<arch> -> the number that failed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    failed = 0
+    for launch in json.loads(path.read_text()):
+        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        constexprs = launch["constexprs"]
+        signature = launch["signature"] | {name: "constexpr" for name in constexprs}
+        name = f"{launch['module']}.{launch['kernel']} {constexprs} {launch['options']}"
+        try:
+            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                           options=launch["options"])
+        except Exception as error:  # report every launch that fails, not only the first
+            failed += 1
+            print(f"FAILED {name}\n  {type(error).__name__}: {str(error).strip()[-800:]}")
+        else:
+            print(f"ok     {name}")
+    return failed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, e.g. 90 (sm_90)")
+    args, pytest_args = ap.parse_known_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "launches.json"
+        env = dict(os.environ, TRITON_INTERPRET="1", **{RECORD_ENV: str(record)})
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "check_kernels_compile",
+                                *(pytest_args or KERNEL_TESTS)], cwd=ROOT, env=env)
+        if not record.exists():
+            sys.exit(f"the tests recorded no launches (pytest exit status {tests.returncode})")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        compiled = subprocess.run([sys.executable, __file__, "--compile", str(record), "--arch", str(args.arch)],
+                                  cwd=ROOT, env=env)
+    sys.exit(1 if compiled.returncode or tests.returncode else 0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--compile":
+        arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
+        sys.exit(1 if compile_launches(Path(sys.argv[2]), arch) else 0)
+    main()
