@@ -6,8 +6,9 @@ before a GPU does:
 
     python scripts/check_kernels_compile.py [--arch 90] [pytest arguments]
 
-1. runs the tests (default: the kernel tests) in the interpreter, recording each launch: the
-   kernel, its arguments' types, its constexprs and num_warps / num_stages;
+1. runs the tests (default: the kernel tests, when no test path is given) in the interpreter,
+   recording each launch: the kernel, its arguments' types, its constexprs and num_warps /
+   num_stages;
 2. compiles each distinct launch, in a process without the interpreter, with `triton.compile`
    for the target (sm_90, the H100's and H200's, by default), down to a cubin.
 
@@ -117,8 +118,9 @@ def main() -> None:
         record = Path(tmp) / "launches.json"
         env = dict(os.environ, TRITON_INTERPRET="1", **{RECORD_ENV: str(record)})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "check_kernels_compile",
-                                *(pytest_args or KERNEL_TESTS)], cwd=ROOT, env=env)
+        paths = [arg for arg in pytest_args if arg.split("::")[0].endswith(".py") or (ROOT / arg).is_dir()]
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "check_kernels_compile", *pytest_args,
+                                *([] if paths else KERNEL_TESTS)], cwd=ROOT, env=env)
         if not record.exists():
             sys.exit(f"the tests recorded no launches (pytest exit status {tests.returncode})")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
