@@ -165,8 +165,9 @@ class LLM:
         max_cached_budgets: how many tree budgets besides the default keep their buffers and
         graphs between requests (least recently used beyond it are freed; None keeps every one).
         max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
-        ddtree.batching). None: 8 on a CPU; 1 on CUDA, where the one-request engine's CUDA graphs
-        beat the batched engine, which has none yet. Hybrid targets decode one request at a time."""
+        ddtree.batching). None: 8 on a CPU; 1 on CUDA, until the batched engine's graphs (rounds of
+        one tree shape, ddtree.batch_round) have passed their GPU tests. Hybrid targets decode one
+        request at a time."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = None
         if use_draft:
