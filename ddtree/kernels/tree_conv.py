@@ -56,13 +56,12 @@ def tree_conv_silu(window: torch.Tensor, mixed: torch.Tensor, ancestors: torch.T
 if triton is not None:
 
     @triton.jit
-    def _tree_conv(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, out_ptr, stash_ptr, channels, s_window,
-                   s_mixed, s_stash, K: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Program (node i, channel block): sum_j x_j w_j over its K taps, rounded, SiLU'd."""
-        i = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = c < channels
-        acc = tl.zeros([BLOCK_C], tl.float32)
+    def node_conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
+                        s_stash, K: tl.constexpr):
+        """Node i's channels c (a tile of any shape, `ok` its mask): SiLU(sum_j x_j w_j), the sum in
+        float32 rounded to the inputs' dtype, SiLU'd and rounded again (returned as float32). The
+        node's own inputs go to the stash."""
+        acc = tl.zeros(c.shape, tl.float32)
         for j in tl.static_range(K):
             w = tl.load(weight_ptr + c * K + j, mask=ok, other=0.0).to(tl.float32)
             if j == K - 1:  # the node itself
@@ -79,5 +78,16 @@ if triton is not None:
                 acc = x.to(tl.float32) * w
             else:
                 acc = acc + x.to(tl.float32) * w
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + i * channels + c, (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty), mask=ok)
+        y = acc.to(mixed_ptr.dtype.element_ty).to(tl.float32)
+        return (y / (1.0 + tl.exp(-y))).to(mixed_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _tree_conv(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, out_ptr, stash_ptr, channels, s_window,
+                   s_mixed, s_stash, K: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (node i, channel block): sum_j x_j w_j over its K taps, rounded, SiLU'd."""
+        i = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = c < channels
+        y = node_conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
+                           s_stash, K)
+        tl.store(out_ptr + i * channels + c, y.to(out_ptr.dtype.element_ty), mask=ok)

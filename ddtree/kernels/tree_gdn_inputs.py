@@ -74,32 +74,7 @@ def tree_gdn_inputs(window: torch.Tensor, mixed: torch.Tensor, ancestors: torch.
 
 
 if triton is not None:
-
-    @triton.jit
-    def _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,
-                   s_stash, K: tl.constexpr):
-        """Node i's channels c (a tile of any shape, `ok` its mask): SiLU(sum_j x_j w_j), the sum in
-        float32 rounded to the inputs' dtype, SiLU'd and rounded again (returned as float32). The
-        node's own inputs go to the stash."""
-        acc = tl.zeros(c.shape, tl.float32)
-        for j in tl.static_range(K):
-            w = tl.load(weight_ptr + c * K + j, mask=ok, other=0.0).to(tl.float32)
-            if j == K - 1:  # the node itself
-                x = tl.load(mixed_ptr + i * s_mixed + c, mask=ok, other=0.0)
-                tl.store(stash_ptr + i * s_stash + c, x, mask=ok)
-            else:
-                row = tl.load(ancestors_ptr + i * K + j)
-                node = row - (K - 1)
-                if node >= 0:
-                    x = tl.load(mixed_ptr + node * s_mixed + c, mask=ok, other=0.0)
-                else:
-                    x = tl.load(window_ptr + row * s_window + c, mask=ok, other=0.0)
-            if j == 0:
-                acc = x.to(tl.float32) * w
-            else:
-                acc = acc + x.to(tl.float32) * w
-        y = acc.to(mixed_ptr.dtype.element_ty).to(tl.float32)
-        return (y / (1.0 + tl.exp(-y))).to(mixed_ptr.dtype.element_ty).to(tl.float32)
+    from ddtree.kernels.tree_conv import node_conv_silu  # a node's conv over a tile of channels, shared
 
     @triton.jit
     def _tree_gdn_inputs(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
@@ -121,7 +96,7 @@ if triton is not None:
             dk = tl.arange(0, DK)
             key_ok = (key_heads < HK)[:, None] & (dk < DK)[None, :]
             key_c = is_key.to(tl.int32) * HK * DK + key_heads[:, None] * DK + dk[None, :]  # [HEADS, DK]
-            qk = _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, key_c, key_ok, s_window,
+            qk = node_conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, key_c, key_ok, s_window,
                             s_mixed, s_stash, K)
             qk = qk * tl.rsqrt(tl.sum(qk * qk, 1) + EPS)[:, None]
             if is_key:
@@ -133,7 +108,7 @@ if triton is not None:
             dv = tl.arange(0, DV)
             value_ok = (value_heads < HV)[:, None] & (dv < DV)[None, :]
             value_c = 2 * HK * DK + value_heads[:, None] * DV + dv[None, :]  # [HEADS, DV]
-            vx = _conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, value_c, value_ok,
+            vx = node_conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, value_c, value_ok,
                             s_window, s_mixed, s_stash, K)
             tl.store(v_ptr + (i * HV + value_heads[:, None]) * DV + dv[None, :], vx.to(v_ptr.dtype.element_ty),
                      mask=value_ok)
