@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from ddtree.bench.table import COMPACT_WIDTH
 from ddtree.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,7 +31,7 @@ def test_offline_sweep_writes_json_png_and_table(demo_pair, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "tok/s med" in printed and "recommended tree budget at concurrency 1:" in printed
     table = [line for line in printed.splitlines() if not line.startswith(("recommended", "results", "plot"))]
-    assert len(table) == 2 + 4 and max(len(line) for line in table) <= 100
+    assert len(table) == 2 + 4 and max(len(line) for line in table) <= COMPACT_WIDTH
     result = json.loads(out.read_text())
     assert result["interrupted"] is False and result["skipped"] == []
     assert set(result["warmup_seconds"]) == {"ar", "chain", "4", "16"} and result["predicted_seconds"] > 0

@@ -63,12 +63,13 @@ def test_graphs_equal_eager(pair, dtype):
             assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
 
 
-def test_fused_inputs_greedy_equals_transformers(pair, monkeypatch):
-    """The opt-in fused inputs kernel (DDTREE_FUSED_GDN_INPUTS=1, `kernels.tree_gdn_inputs`)
-    through the graph path: greedy output equals transformers' in float32 at every budget."""
+def test_conv_kernel_path_greedy_equals_transformers(pair, monkeypatch):
+    """The verify's other kernel path (DDTREE_FUSED_GDN_INPUTS=0: `kernels.tree_conv`, then the
+    compiled glue, as for head dims the fused inputs kernel does not take) through the graph path:
+    greedy output equals transformers' in float32 at every budget."""
     from ddtree.models import hybrid
 
-    monkeypatch.setattr(hybrid, "FUSED_INPUTS", True)
+    monkeypatch.setattr(hybrid, "FUSED_INPUTS", False)
     hf, target, draft = pair
     llm = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=1024)
     prompt = list(range(20, 61))

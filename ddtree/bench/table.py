@@ -1,7 +1,8 @@
 """The benchmark's results as a plain fixed-width table, one line per row, so that each budget's row
 can be printed the moment it is measured.
 
-The default columns fit 100 characters; `full=True` gives every latency column (about 170
+The default columns fit 112 characters (aggregate tokens/s, `out tok/s`, beside each request's
+median, so that concurrency levels compare); `full=True` gives every latency column (about 170
 characters). Every number of every row is in the JSON results either way. Parity failures are in
 red, the recommendation in green (rich markup; plain text when the output is not a terminal).
 """
@@ -16,7 +17,7 @@ from rich.markup import escape
 from ddtree.bench.report import recommendation_line
 
 GAP = "  "  # between columns
-COMPACT_WIDTH = 100
+COMPACT_WIDTH = 112
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
@@ -49,6 +50,7 @@ class Column:
 BUDGET = Column("budget", 6, lambda r: str(r["tree_budget"]), left=True)
 CONCURRENCY = Column("conc", 4, lambda r: str(r["concurrency"]))
 DONE = Column("ok/fail", 7, _done, alarm=lambda r: r["failed"] > 0)
+OUTPUT_TPS = Column("out tok/s", 9, lambda r: _num(r["output_throughput"]))  # all requests' tokens / wall
 MEDIAN_TPS = Column("tok/s med", 9, lambda r: _num(r["median_tokens_per_second"]))
 VS_AR = Column("vs ar", 6, lambda r: _num(r.get("speedup_vs_ar"), "{:.2f}x"))
 ACCEPT = Column("accept", 6, lambda r: _num(r["mean_acceptance_length"], "{:.2f}"))
@@ -57,12 +59,11 @@ TPOT = Column("TPOT ms", 8, lambda r: _num(r["median_tpot_ms"], "{:.2f}"))
 E2E_P99 = Column("E2E p99 ms", 10, lambda r: _num(r["p99_e2el_ms"]))
 PARITY = Column("parity vs ar", 14, _parity, alarm=lambda r: r.get("parity_ok") is False)
 
-COMPACT_COLUMNS = (BUDGET, CONCURRENCY, DONE, MEDIAN_TPS, VS_AR, ACCEPT, TTFT, TPOT, E2E_P99, PARITY)
+COMPACT_COLUMNS = (BUDGET, CONCURRENCY, DONE, OUTPUT_TPS, MEDIAN_TPS, VS_AR, ACCEPT, TTFT, TPOT, E2E_P99, PARITY)
 FULL_COLUMNS = (
     BUDGET, CONCURRENCY, DONE,
     Column("req/s", 7, lambda r: _num(r["request_throughput"], "{:.2f}")),
-    Column("out tok/s", 9, lambda r: _num(r["output_throughput"])),
-    MEDIAN_TPS, VS_AR, ACCEPT,
+    OUTPUT_TPS, MEDIAN_TPS, VS_AR, ACCEPT,
     Column("rounds/req", 10, lambda r: _num(r["decode_rounds"])),
     Column("TTFT med ms", 11, lambda r: _num(r["median_ttft_ms"])),
     Column("TPOT med ms", 11, lambda r: _num(r["median_tpot_ms"], "{:.2f}")),

@@ -14,7 +14,8 @@ How a forward treats the recurrent layers depends on `AttentionMeta` (its docstr
 (`meta.parents` set) convolves each node over its own ancestors (then the committed conv window)
 and runs the tree form of the recurrence, writing no state: the conv inputs are gathered inside
 the function that convolves them, which also writes the commit's stash (on CUDA the Triton kernel
-`kernels.tree_conv`, then `gdn_tree_recurrence_inputs` compiled; elsewhere `gdn_tree_inputs`); a
+`kernels.tree_gdn_inputs`, or `kernels.tree_conv` then `gdn_tree_recurrence_inputs` compiled for
+head dims it does not take; elsewhere `gdn_tree_inputs`); a
 sequence (prefill, `ar` step, commit) advances the state and the window.
 """
 from __future__ import annotations
@@ -44,9 +45,10 @@ except ImportError:
 
 # DDTREE_GDN_KERNELS=0 runs the PyTorch forms on CUDA too (to measure the kernels against them).
 KERNELS_ENABLED = os.environ.get("DDTREE_GDN_KERNELS", "1") != "0"
-# DDTREE_FUSED_GDN_INPUTS=1: the verify's inputs (conv, norms, gates, stash) in one kernel
-# (`kernels.tree_gdn_inputs`, not yet run on a GPU) instead of the conv kernel and compiled glue.
-FUSED_INPUTS = os.environ.get("DDTREE_FUSED_GDN_INPUTS", "0") == "1"
+# The verify's inputs (conv, norms, gates, stash) in one kernel (`kernels.tree_gdn_inputs`);
+# DDTREE_FUSED_GDN_INPUTS=0 runs the conv kernel and compiled glue instead (to measure one against
+# the other; also the path for head dims the fused kernel does not take).
+FUSED_INPUTS = os.environ.get("DDTREE_FUSED_GDN_INPUTS", "1") != "0"
 
 
 def _use_kernels(q, k, v, state) -> bool:
@@ -291,9 +293,9 @@ class GatedDeltaNet(nn.Module):
         k = scratch.k[index, :n]  # the normalised keys go straight to the commit's stash; read from there
         u_out, G_out = scratch.u[index, :, :n], scratch.G[index, :n]
         if self._tree_kernels(window, mixed, state):
-            # The conv as one kernel (it also stashes the conv inputs), the recurrence's inputs
-            # compiled (or all in one kernel, FUSED_INPUTS), and G written by the tree kernel,
-            # which sums it anyway.
+            # The conv, norms and gates as one kernel (it also stashes the conv inputs and keys),
+            # or the conv alone with the rest compiled; G written by the tree kernel, which sums
+            # it anyway.
             if FUSED_INPUTS and tree_gdn_inputs.supported(window, mixed, self.conv_weight, self.dk, self.dv):
                 q, v, g, beta = tree_gdn_inputs.tree_gdn_inputs(
                     window, mixed, ancestors, self.conv_weight, a, b, self.A_log, self.dt_bias, self.hk, self.dk,
