@@ -38,6 +38,8 @@ acceptance length, kept tokens and bonus together; requests that ask for log-pro
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +53,8 @@ from ddtree.models.layers import AttentionMeta, RowSpan
 from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
 from ddtree.tree_shape import TreeShape
+
+log = logging.getLogger("ddtree.batch_engine")
 
 FEED_EVERY = 64  # tokens of `ar` rounds whose features a sequence gathers before they go to the drafter
 
@@ -288,10 +292,44 @@ class BatchEngine:
         """The fixed-shape round of every sequence at `budget` (ddtree.batch_round)."""
         self._feed_unfed(seqs)  # here `ar` rounds feed the drafter as they go: the context whole first
         needed = max(self._kv_len(seq) for seq in seqs)  # host n is exact: every round's summary is read
-        kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.row_slots)
+        kv_len = self._bucketed_kv_len(needed)
         rows = row_bucket(len(seqs), self.max_rows) if self.pad_rows else len(seqs)
         summaries, logprobs = self.rounds.run(seqs, rows, budget, kv_len)
         return [(seq, self._commit(seq, summaries[seq.row], logprobs.get(id(seq)))) for seq in seqs]
+
+    def _bucketed_kv_len(self, needed: int) -> int:
+        """The KV length a fixed-shape round that reads `needed` slots of each row runs at."""
+        return min(-(-needed // self.kv_bucket) * self.kv_bucket, self.row_slots)
+
+    def uniform_kv_lens(self, budget: TreeShape) -> list[int]:
+        """Every KV length a fixed-shape round of `budget` can run at: from a sequence of one
+        committed token to one at the context limit."""
+        span = max(budget.nodes(self.block_size), self.block_size)
+        first, last = self._bucketed_kv_len(1 + span), self._bucketed_kv_len(self.max_model_len + span)
+        return sorted({*range(first, last, self.kv_bucket), last})
+
+    @torch.inference_mode()
+    def capture_all(self, budgets: list[TreeShape]) -> int:
+        """With graphs, capture now every graph the fixed-shape rounds of `budgets` can replay (each
+        row bucket, each KV length; for `ar`, rows that feed the drafter and rows that do not), so
+        that no request waits for a capture while serving -> how many were captured. Call with no
+        sequences: the warm-ups then write only free rows' slots."""
+        if not self.use_graphs:
+            return 0
+        if self.sequences:
+            raise RuntimeError("graphs are captured ahead on an engine with no sequences")
+        start, count = time.perf_counter(), 0
+        buckets = sorted({row_bucket(r, self.max_rows) for r in range(1, self.max_rows + 1)}) if self.pad_rows \
+            else list(range(1, self.max_rows + 1))
+        for budget in budgets:
+            self._check_nodes(budget)
+            feeds = {self.drafter is not None and (budget.drafts or f) for f in (True, False)}
+            for rows in buckets:
+                for feed in sorted(feeds):
+                    count += self.rounds.capture_all(rows, budget, feed, self.uniform_kv_lens(budget))
+        log.info("captured %d batched graphs (tree budgets %s, %d row buckets) in %.1f s", count,
+                 ", ".join(map(str, budgets)), len(buckets), time.perf_counter() - start)
+        return count
 
     def _feed_unfed(self, seqs: list[Sequence]) -> None:
         """The unfed `ar` tokens of `seqs` into the drafter's context, in one call."""

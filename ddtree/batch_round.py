@@ -124,6 +124,7 @@ class UniformRounds:
         feeds = e.drafter is not None and (budget.drafts or any(seq.feeds_drafter for seq in seqs))
         if self.use_graphs and (rows, budget, feeds) not in self.back_graphs:
             self._capture_back(bufs, budget, feeds)
+            log.info("captured batched back graph rows=%d budget=%s", rows, budget)
         logits = self._run_front(bufs, budget, kv_len, feeds)
         self._choose(seqs, bufs, logits)
         self._run_back(bufs, budget, feeds)
@@ -273,6 +274,18 @@ class UniformRounds:
         self.buffers[key] = bufs
         return bufs
 
+    def capture_all(self, rows: int, budget: TreeShape, feeds: bool, kv_lens: list[int]) -> int:
+        """Capture the back of (rows, budget, feeds) and its front at each of kv_lens, where not yet
+        captured -> how many were new. With no sequences in the engine every row is free (n = 0,
+        not live), so the warm-ups write only slots no sequence holds."""
+        bufs, before = self._buffers(rows, budget), len(self.front_graphs) + len(self.back_graphs)
+        if (rows, budget, feeds) not in self.back_graphs:
+            self._capture_back(bufs, budget, feeds)
+        for kv_len in kv_lens:
+            if (rows, budget, kv_len, feeds) not in self.front_graphs:
+                self._capture_front(bufs, budget, kv_len, feeds)
+        return len(self.front_graphs) + len(self.back_graphs) - before
+
     def capture(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
         start = time.perf_counter()
         graph, out = capture_graph(fn, self.graph_pool, self.warmup_stream)
@@ -285,16 +298,20 @@ class UniformRounds:
             return self._front(bufs, budget, kv_len, feeds)
         key = (bufs.rows, budget, kv_len, feeds)
         if key not in self.front_graphs:
-            # The front writes only scratch: the tree buffers, slots [n, n + M) of the target cache
-            # and [n, n + b) of the drafter's, all rewritten by the replay that follows.
-            if bufs.logits is None:
-                bufs.logits = torch.zeros(bufs.rows * bufs.size, self.engine.target.config.vocab_size,
-                                          dtype=torch.float32, device=self.engine.device)
-            self.front_graphs[key] = self.capture(lambda: bufs.logits.copy_(self._front(bufs, budget, kv_len, feeds)))
+            self._capture_front(bufs, budget, kv_len, feeds)
             log.info("captured batched front graph rows=%d budget=%s kv_len=%d", bufs.rows, budget, kv_len)
         graph, logits = self.front_graphs[key]
         graph.replay()
         return logits
+
+    def _capture_front(self, bufs: RowBuffers, budget: TreeShape, kv_len: int, feeds: bool) -> None:
+        """The front writes only scratch: the tree buffers, slots [n, n + M) of the target cache and
+        [n, n + b) of the drafter's, all rewritten by the replay that follows."""
+        if bufs.logits is None:
+            bufs.logits = torch.zeros(bufs.rows * bufs.size, self.engine.target.config.vocab_size,
+                                      dtype=torch.float32, device=self.engine.device)
+        key = (bufs.rows, budget, kv_len, feeds)
+        self.front_graphs[key] = self.capture(lambda: bufs.logits.copy_(self._front(bufs, budget, kv_len, feeds)))
 
     def _capture_back(self, bufs: RowBuffers, budget: TreeShape, feeds: bool) -> None:
         """Capture the back of (rows, budget) before this round's front. Its warm-up run is a real
@@ -309,7 +326,6 @@ class UniformRounds:
             self.back_graphs[(bufs.rows, budget, feeds)], _ = self.capture(lambda: self._back(bufs, budget, feeds))
         finally:
             live.copy_(saved)
-        log.info("captured batched back graph rows=%d budget=%s", bufs.rows, budget)
 
     def _run_back(self, bufs: RowBuffers, budget: TreeShape, feeds: bool) -> None:
         graph = self.back_graphs.get((bufs.rows, budget, feeds))

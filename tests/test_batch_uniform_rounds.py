@@ -247,3 +247,28 @@ def test_a_sliding_window_drafter_in_uniform_rounds_equals_solo_runs(sliding_llm
         llm.encode = encode
     for tokens, (prompt, sampling) in zip(got, cases):
         assert tokens == solo(llm, prompt, sampling, budget), prompt
+
+
+def test_graphs_captured_ahead_serve_every_round_and_change_no_tokens(llm, monkeypatch):
+    """`BatchEngine.capture_all` before any request: every (row bucket, budget, KV length) a round
+    then meets is already captured (no capture while decoding), and the warm-ups, run on free
+    rows, leave every row's tokens equal to its solo run."""
+    engine = replayed(BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, kv_bucket=32,
+                                  pad_rows=True), monkeypatch)
+    monkeypatch.setattr(engine, "use_graphs", True)
+    captured = engine.capture_all([AR, B8])
+    fronts, backs = set(engine.rounds.front_graphs), set(engine.rounds.back_graphs)
+    assert captured == len(fronts) + len(backs)
+    assert backs == {(rows, budget, feeds) for rows in (1, 2, 4) for budget, feeds in ((AR, False), (AR, True), (B8, True))}
+    assert {kv for rows, budget, kv, _ in fronts if budget == B8} == set(engine.uniform_kv_lens(B8))
+    # A round reads n + 16 slots (the block is longer than B8's 9 nodes), n from 1 to MAX_LEN: 17..96.
+    assert engine.uniform_kv_lens(B8) == engine.uniform_kv_lens(AR) == [32, 64, 96]
+    assert_free_rows_idle(engine)
+    cases = [("def fib(n):", params(max_tokens=16)), ("import os\n", params(0.7, seed=5, max_tokens=4)),
+             ("class Stack:", params(1.0, seed=11, max_tokens=16))]
+    for budget in (B8, AR):
+        got = decode(engine, llm, cases, budget, join_after=2)
+        for tokens, (prompt, sampling) in zip(got, cases):
+            assert tokens == solo(llm, prompt, sampling, budget), (budget, prompt)
+    assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
+    assert engine.capture_all([AR, B8]) == 0  # nothing left to capture

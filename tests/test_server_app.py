@@ -313,13 +313,31 @@ def test_serve_warmup_flag_and_environment(monkeypatch):
 
 
 def test_load_with_warmup_prepares_the_default_budget(demo_pair):
-    """--warmup runs `LLM.warmup` on the default budget before serving (on CUDA: captures every
-    graph); without it nothing is prepared until a request arrives."""
+    """With one request at a time, --warmup runs `LLM.warmup` on the default budget before serving
+    (on CUDA: captures every graph); without it nothing is prepared until a request arrives."""
     from ddtree.server.main import _load
 
     args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
-                              max_model_len=96)
+                              max_model_len=96, max_num_seqs=1)
     cold = _load(args, CHAIN)
     assert cold.engine.buffers == {}
     warm = _load(args, CHAIN, warmup=True)
     assert list(warm.engine.buffers) == [CHAIN]
+
+
+def test_load_with_warmup_and_max_num_seqs_captures_the_batched_rounds(demo_pair, monkeypatch):
+    """With --max-num-seqs above 1 every request decodes in the batch, so --warmup captures the
+    batched engine's rounds (`BatchEngine.capture_all`, on the batch the worker will step), not
+    the one-request engine's."""
+    from ddtree.batch_engine import BatchEngine
+    from ddtree.server.main import _load
+    from ddtree.server.worker import batch_max_nodes
+
+    calls = []
+    monkeypatch.setattr(BatchEngine, "capture_all", lambda engine, budgets: calls.append((engine, budgets)) or 0)
+    args = argparse.Namespace(target=str(demo_pair[0]), draft=str(demo_pair[1]), device="cpu", dtype=None,
+                              max_model_len=96, max_num_seqs=2)
+    warm = _load(args, CHAIN, warmup=True, max_tree_budget=32)
+    assert [budgets for _, budgets in calls] == [[CHAIN]]
+    assert calls[0][0] is warm.batched(batch_max_nodes(warm, 32)).engine  # the worker's batch, not a new one
+    assert warm.engine.buffers == {}

@@ -84,9 +84,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (prefer DDTREE_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--warmup", action="store_true",
-                   help="on CUDA, capture every graph of the default tree budget (all prefill lengths and KV "
-                        "buckets) before serving: no capture pauses on first requests, for start-up time and GPU "
-                        "memory (a logits buffer per KV bucket); DDTREE_WARMUP=1 sets it")
+                   help="on CUDA, capture every graph of the server's tree budgets (its default and those it "
+                        "chooses among: all prefill lengths and KV buckets; with --max-num-seqs above 1, the "
+                        "batched rounds' every row bucket and KV bucket) before serving: no capture pauses on "
+                        "first requests, for start-up time and GPU memory (a logits buffer per KV bucket); "
+                        "DDTREE_WARMUP=1 sets it")
     defaults = ServerLimits()
     for name, (kind, text) in LIMIT_FLAGS.items():
         default = getattr(defaults, name)
@@ -108,7 +110,7 @@ def flag_enabled(value: bool | str, name: str) -> bool:
 
 def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budget: int | None = None):
     """Load the pair, settle its default tree budget (measuring it for 'auto'; with no --tree-budget,
-    choosing it while serving) and, with `warmup`, capture that budget's graphs."""
+    choosing it while serving) and, with `warmup`, capture the graphs of the budgets it serves."""
     from ddtree.llm import LLM
 
     fixed = budget not in (None, "auto")
@@ -137,15 +139,28 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
             log.info("tree budget: requests that name none get the fastest of %s for their temperature, as "
                      "measured while serving (--tree-budget N or auto fixes it)", ", ".join(map(str, candidates)))
     if warmup:
-        start = time.perf_counter()
-        budgets = llm.budget_selector.candidates if llm.budget_selector else (llm.default_budget,)
-        for budget_to_warm in budgets:
-            llm.warmup(budget_to_warm)
+        _warm_up(llm, max_tree_budget)
+    return llm
+
+
+def _warm_up(llm, max_tree_budget: int | None) -> None:
+    """Capture, before serving, the graphs of the server's own budgets (its default and the ones
+    it chooses among): with --max-num-seqs above 1, the batched engine's (every row bucket and KV
+    length), else the one-request engine's."""
+    start = time.perf_counter()
+    chooser = llm.batch_budget or llm.budget_selector
+    budgets = list(dict.fromkeys([llm.default_budget, *(chooser.candidates if chooser else ())]))
+    if llm.max_num_seqs > 1:  # every request decodes in the batch
+        from ddtree.server.worker import batch_max_nodes
+
+        graphs = llm.batched(batch_max_nodes(llm, max_tree_budget)).engine.capture_all(budgets)
+    else:
+        for budget in budgets:
+            llm.warmup(budget)
         e = llm.engine
         graphs = len(e.prefill_graphs) + len(e.front_graphs) + len(e.back_graphs)
-        log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", ", ".join(map(str, budgets)),
-                 time.perf_counter() - start, graphs)
-    return llm
+    log.info("warm-up: tree budget %s ready in %.1f s, %d CUDA graphs captured", ", ".join(map(str, budgets)),
+             time.perf_counter() - start, graphs)
 
 
 def _adapt_batch_budget(llm, candidates: tuple[TreeShape, ...], max_tree_budget: int | None) -> None:

@@ -267,16 +267,7 @@ class EngineWorker:
             job.emit(EngineFailure(f"the engine failed while decoding request {job.request_id}"))
 
     def _max_nodes(self) -> int:
-        """The largest tree a batched request may use: the largest budget a request may name, and
-        the server's own budgets."""
-        b = self.llm.block_size
-        budgets = [self.llm.default_budget, *(getattr(self.llm, "auto_budgets", None) or {}).values()]
-        for chooser in (getattr(self.llm, "budget_selector", None), getattr(self.llm, "batch_budget", None)):
-            if chooser is not None:
-                budgets += list(chooser.candidates)
-        if self.max_tree_budget is not None:
-            budgets.append(TreeShape.best(self.max_tree_budget))
-        return max(budget.nodes(b) for budget in budgets)
+        return batch_max_nodes(self.llm, self.max_tree_budget)
 
     def _run_job(self, job: Job) -> None:
         """Decode one job, emitting each StreamEvent; stop after the step in progress once cancelled."""
@@ -424,6 +415,19 @@ class EngineWorker:
             self._jobs.put(None)
         if self.on_death is not None:
             self.on_death(exc)
+
+
+def batch_max_nodes(llm, max_tree_budget: int | None) -> int:
+    """The largest tree a batched request may use: the largest budget a request may name
+    (max_tree_budget), and the server's own budgets."""
+    b = llm.block_size
+    budgets = [llm.default_budget, *(getattr(llm, "auto_budgets", None) or {}).values()]
+    for chooser in (getattr(llm, "budget_selector", None), getattr(llm, "batch_budget", None)):
+        if chooser is not None:
+            budgets += list(chooser.candidates)
+    if max_tree_budget is not None:
+        budgets.append(TreeShape.best(max_tree_budget))
+    return max(budget.nodes(b) for budget in budgets)
 
 
 class JobRun:
