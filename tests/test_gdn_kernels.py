@@ -199,6 +199,25 @@ def test_recurrent_equals_references(t, length):
         assert torch.equal(s_kernel, state)  # no live row: the state stays bit for bit
 
 
+@pytest.mark.parametrize("length", [None, "t131"])
+def test_recurrent_over_a_prefill_equals_the_chunked_form(length):
+    """A prefill (150 tokens, over two of the PyTorch form's 64-token chunks, from a zero state; a
+    padded one stops at its length): the token-loop kernel, which runs every prefill with the
+    kernels, equals `chunked_gated_delta`, the form it replaces there, and the float64 loop."""
+    q, k, v, g, beta, state = inputs(150, **SMALL, seed=50)
+    state.zero_()
+    if length is not None:
+        length = torch.tensor(int(length[1:]), device=DEVICE)
+    s_kernel, s_chunked = state.clone(), state.clone()
+    got = recurrent_gated_delta(q, k, v, g, beta, s_kernel, length)
+    want = ref.chunked_gated_delta(q, k, v, g, beta, s_chunked, length)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s_kernel, s_chunked, rtol=1e-4, atol=1e-5)
+    o64, s64 = loop_oracle(q, k, v, g, beta, state, length)
+    assert_matches(got, o64)
+    assert_matches(s_kernel, s64)
+
+
 def test_recurrent_rows_past_length_leave_state():
     """The state after (T tokens, length L) is bit for bit the state after the first L tokens alone."""
     q, k, v, g, beta, state = inputs(12, **SMALL, seed=30)

@@ -54,8 +54,12 @@ FUSED_INPUTS = os.environ.get("DDTREE_FUSED_GDN_INPUTS", "1") != "0"
 def _use_kernels(q, k, v, state) -> bool:
     return KERNELS_ENABLED and q.is_cuda and gdn_kernels is not None and gdn_kernels.supported(q, k, v, state)
 
-# Sequences that extend a committed state by up to this many tokens (an `ar` step, a commit) run
-# the token loop; a prefill runs the chunked form.
+# Without the Triton kernels, sequences that extend a committed state by up to this many tokens
+# (an `ar` step, a commit) run the PyTorch token loop, and longer ones and prefills the chunked
+# form. With the kernels every sequence runs the token-loop kernel: on the H200 at Qwen3.6-27B's
+# heads it took 11.8 us for 16 tokens (about 0.5 us a token past the first), while the PyTorch
+# chunked prefill cost about 8 us a token per layer at 8192 tokens (time to first token 3.89 s,
+# 7.2x its floor, `round_latency_h200_qwen36_27b_fused_inputs.json`).
 LOOP_MAX_TOKENS = 64
 
 
@@ -253,8 +257,9 @@ class GatedDeltaNet(nn.Module):
                               self.dv)
 
     def _advance(self, mixed, a, b, state: torch.Tensor, window: torch.Tensor, length, fresh: bool, ops: HybridOps):
-        """Run a sequence from (state, window) [K - 1, C], both updated in place to after its first
-        `length` rows -> o [T, Hv, Dv] float32."""
+        """Run a sequence (a prefill, an `ar` step, a commit) from (state, window) [K - 1, C], both
+        updated in place to after its first `length` rows -> o [T, Hv, Dv] float32. The recurrence:
+        the token-loop kernel where the kernels run, else `LOOP_MAX_TOKENS` picks the form."""
         t, k1 = mixed.shape[0], self.kernel - 1
         if fresh:
             state.zero_()
@@ -264,9 +269,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self._inputs(conv_in, a, b, ops)
         last = torch.arange(k1, device=mixed.device) + (t if length is None else length)
         window.copy_(padded.index_select(0, last))
+        if _use_kernels(q, k, v, state):  # any length, a prefill too (LOOP_MAX_TOKENS)
+            return gdn_kernels.recurrent_gated_delta(q, k, v, g, beta, state, length)
         if t <= LOOP_MAX_TOKENS and not fresh:
-            if _use_kernels(q, k, v, state):
-                return gdn_kernels.recurrent_gated_delta(q, k, v, g, beta, state, length)
             return gdn.recurrent_gated_delta(q, k, v, g, beta, state, length)
         return gdn.chunked_gated_delta(q, k, v, g, beta, state, length)
 

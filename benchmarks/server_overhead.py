@@ -1,0 +1,174 @@
+"""What the HTTP server costs a request, against the engine's own time, with the engine's time fixed.
+
+    python -m benchmarks.server_overhead OUTPUT.json [--engine-us 180] [--requests 32]
+        [--max-tokens 128] [--max-num-seqs 1]
+
+The GPU's engine is host-bound on small models: its Python thread holds the interpreter lock for
+most of a round (launching graphs, reading the summary), and the server's event loop shares that
+lock. This benchmark reproduces that on any machine: a `ddtree serve` process whose engine replays
+one recorded generation (the demo pair's tokens and text, so that the detokenizer and every chunk
+are real), each step holding the lock for `--engine-us` microseconds of busy Python (180 us is
+the demo pair's `ar` step on the H200, 5216 tokens/s in process) and then yielding it once (as
+the round's host sync does), instead of running the models; `--host-fraction` below 1 sleeps the
+rest of the step with the lock free (a GPU still working while the host waits).
+A client process streams `--requests` chat requests one after another (concurrency 1) and times
+each one's first content chunk and its end. In process, the same replayed stream takes exactly
+tokens x engine-us; the ratio of the two is what the HTTP path leaves of in-process tokens/s.
+
+The server process's CPU seconds per request are read from /proc (Linux) around the timed
+requests: beyond the engine's own busy time, they are the cost of the HTTP path itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+
+
+def replaying_stream(llm, engine_us: float, max_tokens: int, host_fraction: float = 1.0):
+    """A stand-in for `llm.stream`: one real generation of `max_tokens` tokens at `ar`, recorded
+    once, replayed for every request (cut to its max_tokens), each step after `engine_us` of
+    busy Python that holds the interpreter lock, as a host-bound GPU engine's round does, then
+    (1 - host_fraction) of it asleep with the lock free, as in the round's host sync."""
+    from ddtree.config import SamplingParams
+
+    recorded = list(llm.stream(llm.apply_chat_template(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                               "ar"))
+    spin, wait = engine_us * host_fraction / 1e6, engine_us * (1 - host_fraction) / 1e6
+
+    def stream(prompt, params=None, tree_budget=None):
+        limit = params.max_tokens if params is not None and params.max_tokens else max_tokens
+        sent = 0
+        for event in recorded:
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:  # busy: the lock stays held, as in the engine's host loop
+                pass
+            time.sleep(wait)  # the round's host sync: the lock is free while the GPU finishes
+            sent += len(event.token_ids)
+            yield event
+            if event.result is not None or sent >= limit:
+                return
+
+    return stream
+
+
+def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_fraction: float) -> int:
+    """Run `ddtree serve` on the demo pair (CPU) with the replaying engine."""
+    from ddtree.cli import build_parser
+    from ddtree.server import main as server_main
+
+    load = server_main._load
+
+    def load_replaying(*args, **kwargs):
+        llm = load(*args, **kwargs)
+        llm.stream = replaying_stream(llm, engine_us, max_tokens, host_fraction)
+        return llm
+
+    server_main._load = load_replaying
+    args = build_parser().parse_args(["serve", "--port", str(port), "--device", "cpu", "--tree-budget", "ar",
+                                      "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"])
+    return server_main.cmd_serve(args)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stream_one(client, url: str, max_tokens: int) -> dict:
+    """One streamed chat request -> its time to first content, end-to-end time and token count."""
+    start = time.perf_counter()
+    first, tokens = None, 0
+    body = {"model": "demo-target", "messages": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first = time.perf_counter() - start
+    return {"ttft_s": first, "e2e_s": time.perf_counter() - start, "tokens": tokens}
+
+
+def measure(args) -> dict:
+    import httpx
+
+    port = args.port
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.server_overhead", "--serve", str(port),
+                              "--engine-us", str(args.engine_us), "--max-tokens", str(args.max_tokens),
+                              "--max-num-seqs", str(args.max_num_seqs), "--host-fraction", str(args.host_fraction)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=120) as client:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    if client.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.time() > deadline or child.poll() is not None:
+                    raise RuntimeError("the server did not come up")
+                time.sleep(0.5)
+            for _ in range(args.warmup):
+                stream_one(client, url, args.max_tokens)
+            cpu_before, wall_before = cpu_seconds(child.pid), time.perf_counter()
+            runs = [stream_one(client, url, args.max_tokens) for _ in range(args.requests)]
+            wall = time.perf_counter() - wall_before
+            server_cpu = cpu_seconds(child.pid) - cpu_before
+    finally:
+        child.terminate()
+        child.wait(30)
+    tokens = statistics.median(r["tokens"] for r in runs)
+    in_process_s = tokens * args.engine_us / 1e6  # one event per token at `ar`
+    e2e = statistics.median(r["e2e_s"] for r in runs)
+    return {
+        "benchmark": "server_overhead", "command": " ".join(["python -m benchmarks.server_overhead", *sys.argv[1:]]),
+        "engine_us": args.engine_us, "host_fraction": args.host_fraction, "max_tokens": args.max_tokens, "requests": args.requests,
+        "max_num_seqs": args.max_num_seqs, "tokens_per_request": tokens,
+        "median_ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1000,
+        "median_e2e_ms": e2e * 1000, "in_process_ms": in_process_s * 1000,
+        "http_over_in_process": in_process_s / e2e,
+        "aggregate_tokens_per_s": sum(r["tokens"] for r in runs) / wall,
+        "server_cpu_ms_per_request": server_cpu / args.requests * 1000,
+        "server_cpu_ms_per_request_beyond_engine": (server_cpu / args.requests - in_process_s) * 1000,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("output", nargs="?")
+    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process, on this port
+    p.add_argument("--port", type=int, default=8137)
+    p.add_argument("--engine-us", type=float, default=180.0, help="busy microseconds per engine step (default 180)")
+    p.add_argument("--host-fraction", type=float, default=1.0,
+                   help="of each step, the part that holds the interpreter lock; the rest sleeps with it free "
+                        "(default 1: all of it, then the lock is yielded once)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=1)
+    args = p.parse_args()
+    if args.serve is not None:
+        return serve(args.serve, args.engine_us, args.max_tokens, args.max_num_seqs, args.host_fraction)
+    result = measure(args)
+    print(json.dumps(result, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
