@@ -95,3 +95,21 @@ def test_graph_rounds_equal_eager_rounds_bf16(pair):
     for budget in BUDGETS:
         assert decode(graphs, requests, budget) == decode(eager, requests, budget), budget
     assert graphs.rounds.front_graphs and not eager.rounds.front_graphs
+
+
+def test_graphs_captured_ahead_serve_every_round_float32(pair):
+    """`BatchEngine.capture_all` (what `serve --warmup` runs with --max-num-seqs): every graph a
+    round then replays was captured before any request, none is captured while decoding, and each
+    row's tokens still equal its solo run."""
+    target, draft = pair
+    solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
+    batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
+    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=65)
+    budget = TreeShape.best(16)
+    assert engine.capture_all([AR, budget]) > 0
+    fronts, backs = set(engine.rounds.front_graphs), set(engine.rounds.back_graphs)
+    requests = cases(seed=3)
+    got = decode(engine, requests, budget)
+    assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
+    for tokens, (prompt, params) in zip(got, requests):
+        assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, prompt[:8]

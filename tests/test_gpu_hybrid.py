@@ -47,6 +47,25 @@ def test_graphs_greedy_equals_transformers(pair):
     assert llm.engine.front_graphs and llm.engine.prefill_graphs
 
 
+def test_long_prompt_prefill_greedy_equals_transformers(pair):
+    """Prompts past the PyTorch token loop's 64 tokens (a padded prefill graph of 384 tokens, and
+    an eager chunked prefill of 1100 tokens in chunks of 512): the recurrence runs the token-loop
+    kernel over the whole prompt, and greedy output still equals transformers'."""
+    hf, target, draft = pair
+    llm = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=2048)
+    llm.engine.prefill_chunk = 512
+    gen = torch.Generator().manual_seed(3)
+    for length in (300, 1100):
+        prompt = torch.randint(0, 500, (length,), generator=gen).tolist()
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=0)[0, length:].tolist()
+        for budget in ("ar", 16):
+            assert llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True), budget).token_ids == expected, \
+                (length, budget)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager(pair, dtype):
     _, target, draft = pair
