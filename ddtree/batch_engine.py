@@ -32,8 +32,12 @@ it keeps the target features of its `ar` rounds' tokens and hands them to the dr
 next drafts (or once FEED_EVERY have gathered, which bounds their memory), so that it can draft in
 any later round without paying a drafter call per `ar` round.
 
-This engine serves dense targets; a hybrid target's recurrent state is one sequence's, so hybrid
-targets decode one request at a time (`Engine`). One host sync per round reads every row's
+A hybrid target's recurrent layers keep one state per sequence, not per slot: each cache row has
+its own (`row_states`, with conv windows) and its own verify stash (`row_scratch`); a packed
+forward runs each row's recurrent layers from its row's state (`RowSpan.recurrent`), a prefill
+advancing it and a verify only reading it, and `commit_row` folds each row's accepted path in
+(nothing for a row that is not live, so that padding rows and a capture's warm-up change no
+state); a sequence moving rows takes its state along. One host sync per round reads every row's
 acceptance length, kept tokens and bonus together; requests that ask for log-probs add one more.
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.engine import PREFILL_CHUNK, Step, prefill_chunks
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
 from ddtree.models.layers import AttentionMeta, RowSpan
+from ddtree.recurrent_state import HybridCache
 from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
 from ddtree.tree_shape import TreeShape
@@ -88,8 +93,6 @@ class BatchEngine:
         (default: 256 with graphs, else 1) rounds their KV length up; pad_rows (default: use_graphs)
         rounds their rows up to a row bucket (1, 2, 4, ..., max_rows), so that few graphs serve every
         row count; compile_layers (default: use_graphs) and fused_tree (default: on CUDA) as `Engine`'s."""
-        if getattr(target.config, "hybrid", False):
-            raise ValueError("batched decoding serves dense targets; a hybrid target decodes one request at a time")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if prefill_chunk < 1:
@@ -105,6 +108,16 @@ class BatchEngine:
         self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
         self.row_slots = max_model_len + max(self.max_nodes, self.block_size) + 1
         self.cache = target.new_cache(max_rows * self.row_slots, self.device, self.dtype)
+        self.hybrid = bool(getattr(target.config, "hybrid", False))
+        self.kv = self.cache.kv if self.hybrid else self.cache  # the attention layers' KV, rows of row_slots
+        if self.hybrid:
+            # A hybrid target's recurrent layers: each cache row's own state and conv windows (row
+            # 0's are the cache's), and the stash its verify leaves for the commit (sized for the
+            # largest tree; every budget and row bucket shares it).
+            self.row_states = [self.cache.recurrent] + [target.new_recurrent_state(self.device, self.dtype)
+                                                        for _ in range(max_rows - 1)]
+            self.row_caches = [HybridCache(self.kv, state) for state in self.row_states]
+            self.row_scratch = [target.new_scratch(self.max_nodes, self.device, self.dtype) for _ in range(max_rows)]
         self.draft_cache = None
         self.draft_noise = None
         if drafter is not None:
@@ -202,9 +215,14 @@ class BatchEngine:
 
     def _move(self, seq: Sequence, row: int) -> None:
         """Move `seq` into the free cache `row`: its committed entries (target and drafter, slots
-        [0, n) of its row), its device n and root, and the slots of its unfed `ar` tokens."""
+        [0, n) of its row; a hybrid's recurrent state and conv windows), its device n and root, and
+        the slots of its unfed `ar` tokens."""
         first = row * self.row_slots
-        self.cache.copy_span(seq.first_slot, first, seq.n)
+        self.kv.copy_span(seq.first_slot, first, seq.n)
+        if self.hybrid:
+            to, start = self.row_states[row], self.row_states[seq.row]
+            to.state.copy_(start.state)
+            to.conv.copy_(start.conv)
         if seq.feeds_drafter:
             self.draft_cache.copy_span(seq.first_slot, first, seq.n)
         shift = first - seq.first_slot
@@ -220,17 +238,20 @@ class BatchEngine:
         taps = self.feature_layers if seq.feeds_drafter else None
         for rows, alone, last in prefill_chunks(len(prompt), self.prefill_chunk, self.device):
             positions = alone.write_slots
-            meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)])
+            meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)], states=True)
             logits, features = self.target(tokens[rows], positions, meta, self.cache, taps, logit_rows=last)
             if features is not None:
                 self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
         return logits
 
-    @staticmethod
-    def _packed(write_slots: torch.Tensor, rows: list[tuple[Sequence, slice, AttentionMeta]]) -> AttentionMeta:
-        """The meta of a packed forward: every row's (sequence, its tokens' rows, its meta alone)."""
+    def _packed(self, write_slots: torch.Tensor, rows: list[tuple[Sequence, slice, AttentionMeta]],
+                states: bool = False) -> AttentionMeta:
+        """The meta of a packed forward: every row's (sequence, its tokens' rows, its meta alone);
+        `states`: a target forward, whose hybrid recurrent layers run each row from its own state."""
         kv_len = max(seq.first_slot + alone.kv_len for seq, _, alone in rows)
-        return AttentionMeta(write_slots, kv_len, rows=[RowSpan(tokens, seq.first_slot, alone) for seq, tokens, alone in rows])
+        return AttentionMeta(write_slots, kv_len, rows=[
+            RowSpan(tokens, seq.first_slot, alone, self.row_states[seq.row] if states and self.hybrid else None)
+            for seq, tokens, alone in rows])
 
     # -- a round -------------------------------------------------------------------------------
 
@@ -350,14 +371,16 @@ class BatchEngine:
         for seq, tree in zip(seqs, trees):
             n = torch.tensor(seq.n, device=self.device)
             slots = n + torch.arange(tree.size, device=self.device)
-            alone = AttentionMeta(slots, self._kv_len(seq), prefix_len=n, block_mask=tree.visible)
+            alone = AttentionMeta(slots, self._kv_len(seq), prefix_len=n, block_mask=tree.visible,
+                                  **self.recurrent_tree(seq.row, tree.parents, tree.depths))
             rows.append((seq, slice(start, start + tree.size), alone))
             start += tree.size
         write_slots = torch.cat([alone.write_slots + seq.first_slot for seq, _, alone in rows])
         tokens = torch.cat([tree.tokens for tree in trees])
         positions = torch.cat([tree.depths + seq.n for seq, tree in zip(seqs, trees)])
         taps = self.feature_layers if any(seq.feeds_drafter for seq in seqs) else None
-        logits, features = self.target(tokens, positions, self._packed(write_slots, rows), self.cache, taps)
+        logits, features = self.target(tokens, positions, self._packed(write_slots, rows, states=True), self.cache,
+                                       taps)
 
         summaries, kept_logprobs, context = [], {}, []
         for (seq, span, _), tree in zip(rows, trees):
@@ -366,8 +389,7 @@ class BatchEngine:
             result = self.walk_fn(tree, choices)
             keep = min(tree.size, self.block_size or 1)
             kept = result.order[:keep]
-            if tree.size > 1:  # one node's entries are already in place at slot n
-                self.cache.compact(seq.first_slot + seq.n, kept)
+            self.commit_row(seq.row, seq.first_slot + seq.n, kept, result.length, tree.size)
             if seq.feeds_drafter:  # the kept nodes' features become the drafter's context
                 positions = seq.n + torch.arange(keep, device=self.device)
                 fed = (features[span][kept], positions, positions + seq.first_slot)
@@ -392,6 +414,20 @@ class BatchEngine:
             at += keep + 2
         self._store_rows()
         return steps
+
+    def recurrent_tree(self, row: int, parents: torch.Tensor, depths: torch.Tensor) -> dict:
+        """A tree verify's meta fields for a hybrid's recurrent layers (the tree's shape and the
+        row's stash); none for a dense target."""
+        return dict(parents=parents, depths=depths, scratch=self.row_scratch[row]) if self.hybrid else {}
+
+    def commit_row(self, row: int, start, kept: torch.Tensor, length, nodes: int) -> None:
+        """After a row's walk: its kept nodes' KV entries into place from slot `start` (its first
+        slot plus n) and, for a hybrid target, its recurrent state advanced by the path's `length`
+        nodes (a device tensor; 0 leaves it, as for padding rows)."""
+        if self.hybrid:
+            self.target.commit(self.row_caches[row], start, kept, length, self.row_scratch[row])
+        elif nodes > 1:  # one node's entries are already in place at slot n
+            self.kv.compact(start, kept)
 
     def _commit(self, seq: Sequence, summary: list[int], kept_logprobs: tuple | None) -> Step:
         """The host's side of a round of `seq`: its summary [a, kept tokens, bonus] (and the

@@ -208,7 +208,9 @@ class UniformRounds:
         local = n[:, None] + bufs.offsets  # [R, M]: each node's slot in its row
         # Each row sees keys [0, its n) and, among its tree's slots, its ancestors (the prefix form).
         rows = [RowSpan(slice(i * m, (i + 1) * m), i * e.row_slots,
-                        AttentionMeta(local[i], kv_len, prefix_len=n[i], block_mask=bufs.visible[i]))
+                        AttentionMeta(local[i], kv_len, prefix_len=n[i], block_mask=bufs.visible[i],
+                                      **e.recurrent_tree(i, bufs.parents[i], bufs.depths[i])),
+                        e.row_states[i] if e.hybrid else None)
                 for i in range(r)]
         meta = AttentionMeta((local + bufs.first_slots[:, None]).reshape(-1), (r - 1) * e.row_slots + kv_len,
                              rows=rows, padded=PaddedRows(bufs.visible, n, bufs.first_slots, kv_len))
@@ -229,13 +231,17 @@ class UniformRounds:
         choices = bufs.choices.view(r, bufs.size)
         if budget.single_node:  # one node, whose entries the verify wrote at slot n: nothing to walk or move
             length, bonus = bufs.ones, choices[:, 0]
+            if e.hybrid:  # but a hybrid's recurrent layers commit it (not on padding rows)
+                for i in range(r):
+                    e.commit_row(i, bufs.first_slots[i] + n[i], bufs.offsets[:1], torch.where(live[i], 1, 0), 1)
         else:
             lengths, bonuses = [], []
             for i in range(r):
                 result = e.walk_fn(bufs.tree(i), choices[i])
                 kept = result.order[:bufs.keep]
                 bufs.path[i].copy_(kept)
-                e.cache.compact(bufs.first_slots[i] + n[i], kept)
+                # A padding row (and every row in a capture's warm-up) commits nothing to a recurrent state.
+                e.commit_row(i, bufs.first_slots[i] + n[i], kept, torch.where(live[i], result.length, 0), bufs.size)
                 lengths.append(result.length)
                 bonuses.append(result.bonus)
             length, bonus = torch.stack(lengths), torch.stack(bonuses)

@@ -166,8 +166,8 @@ class LLM:
         graphs between requests (least recently used beyond it are freed; None keeps every one).
         max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
         ddtree.batching). None: 8 on a CPU; 1 on CUDA, until the batched engine's graphs (rounds of
-        one tree shape, ddtree.batch_round) have passed their GPU tests. Hybrid targets decode one
-        request at a time."""
+        one tree shape, ddtree.batch_round) have passed their GPU tests; 1 for hybrid targets, which
+        batch (each row with its own recurrent state) only when asked."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = None
         if use_draft:
@@ -213,7 +213,8 @@ class LLM:
         self.working_set = BudgetWorkingSet(self.engine, max_cached_budgets)
         if max_num_seqs is not None and max_num_seqs < 1:
             raise DDTreeError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")
-        self.max_num_seqs = 1 if cfg.hybrid else (max_num_seqs or (1 if self.device.type == "cuda" else 8))
+        # Hybrid targets batch only when asked: their batched rounds have not yet run on a GPU.
+        self.max_num_seqs = max_num_seqs or (1 if self.device.type == "cuda" or cfg.hybrid else 8)
         self._batch = None  # the BatchedRequests of `batched`, made on first use
 
     # -- facts the server and benchmark report -----------------------------------------------
@@ -413,7 +414,7 @@ class LLM:
         first use and kept; made again only for larger trees. Its caches hold max_num_seqs
         sequences of max_model_len tokens and max_nodes tree slots each."""
         if self.max_num_seqs < 2:
-            raise DDTreeError("batched decoding needs max_num_seqs >= 2 and a dense target", "max_num_seqs")
+            raise DDTreeError("batched decoding needs max_num_seqs >= 2", "max_num_seqs")
         if self._batch is None or (max_nodes is not None and self._batch.engine.max_nodes < max_nodes):
             from ddtree.batching import BatchedRequests  # it imports this module
 

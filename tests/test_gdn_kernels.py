@@ -316,11 +316,11 @@ def test_tree_kernel_returns_the_new_values(n, seed):
     assert torch.count_nonzero(wide[:, n:]) == 0
 
 
-@pytest.mark.parametrize("length", [1, 3, 6])
+@pytest.mark.parametrize("length", [0, 1, 3, 6])
 def test_fold_equals_the_token_loop_along_the_path(length):
     """Folding a verified tree's stash along one root path (kernel and reference) gives the state
     the token loop reaches along that path, for every layer at once; rows past `length` are
-    ignored whatever they hold."""
+    ignored whatever they hold. A length of 0 (a batch's padding row) leaves the state bit for bit."""
     from ddtree.kernels.gdn_tree import fold_path
 
     n, hk, hv, dk, dv, layers = 24, 2, 4, 16, 32, 2
@@ -344,8 +344,9 @@ def test_fold_equals_the_token_loop_along_the_path(length):
         ref.tree_gated_delta(q, k, v, g, beta, visible, state, u_out=u_stash[layer])
         k_stash[layer], g_stash[layer] = k, ref.path_decay(g, visible)
         loop_state = state.clone()
-        rows = torch.tensor(path[:length], device=DEVICE)
-        ref.recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], loop_state)
+        rows = torch.tensor(path[:length], device=DEVICE, dtype=torch.long)
+        if length:
+            ref.recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], loop_state)
         expected[layer] = loop_state
     length_t = torch.tensor(length, device=DEVICE)
     folded = states.clone()
@@ -354,6 +355,8 @@ def test_fold_equals_the_token_loop_along_the_path(length):
     kernel = states.clone()
     fold_path(kernel, k_stash, u_stash, g_stash, order, length_t)
     torch.testing.assert_close(kernel, expected, atol=2e-5, rtol=2e-5)
+    if length == 0:
+        assert torch.equal(folded, states) and torch.equal(kernel, states)
 
 
 @pytest.mark.parametrize("n,seed", [(1, 40), (5, 41), (40, 42)])

@@ -240,7 +240,7 @@ def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Te
               length: torch.Tensor, config: RecurrentConfig | None = None) -> None:
     """`models.gated_deltanet.fold_path` in one launch for every layer: state [L, Hv, Dk, Dv]
     (float32, in place) advanced by the path `order` [M] (root first; the first `length` real,
-    a 0-d device tensor) from the verify's stash k [L, N, Hk, Dk], u [L, Hv, N, Dv], G [L, N, Hv].
+    a 0-d device tensor; 0 leaves the state) from the verify's stash k [L, N, Hk, Dk], u [L, Hv, N, Dv], G [L, N, Hv].
     One program per (layer, value head, value tile) holds its state tile in registers and adds
     the path's M rank-one terms."""
     config = config or RECURRENT_DEFAULT
@@ -512,19 +512,20 @@ if triton is not None:
                      sk_l, sk_n, sk_h, su_l, su_h, su_n, sg_l, sg_n,
                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
         """Program (layer l, value head h, value tile): S <- exp(G_last) S + sum_j exp(G_last - G_j)
-        k_j u_j^T over the path's first `length` nodes."""
+        k_j u_j^T over the path's first `length` nodes (none: S is left as it is)."""
         l = tl.program_id(0)
         h = tl.program_id(1)
         hk = h // GROUP
         dk = tl.arange(0, DK)
         dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         length = tl.load(length_ptr).to(tl.int32)
-        last = tl.load(order_ptr + length - 1)
-        g_last = tl.load(g_ptr + l * sg_l + last * sg_n + h)
+        last = tl.load(order_ptr + tl.maximum(length - 1, 0))
+        g_last = tl.where(length > 0, tl.load(g_ptr + l * sg_l + last * sg_n + h), 0.0)
         at = state_ptr + ((l * tl.num_programs(1) + h) * DK + dk[:, None]) * DV + dv[None, :]
         s = tl.load(at) * tl.exp(g_last)  # [DK, BLOCK_V]
+        steps = tl.where(length > 0, m, 0)
         j = 0
-        while j < m:
+        while j < steps:
             node = tl.load(order_ptr + j)
             weight = tl.where(j < length, tl.exp(g_last - tl.load(g_ptr + l * sg_l + node * sg_n + h)), 0.0)
             kj = tl.load(k_ptr + l * sk_l + node * sk_n + hk * sk_h + dk)

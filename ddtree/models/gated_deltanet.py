@@ -96,14 +96,16 @@ def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Te
     which is the token loop run along the path (u_j, the delta rule's new value, depends only on
     j's ancestors, so the tree's u is the path's). state [L, Hv, Dk, Dv] float32; per layer and
     node the stash of the verify: k [L, N, Hk, Dk] (normalised), u [L, Hv, N, Dv], G [L, N, Hv];
-    order [M]: the path's nodes, root first, of which the first `length` ([] long) are real."""
+    order [M]: the path's nodes, root first, of which the first `length` ([] long) are real; a
+    length of 0 leaves the states as they are (a batch's padding rows)."""
     layers, hv = state.shape[0], state.shape[1]
     m = order.shape[0]
     live = torch.arange(m, device=order.device) < length  # [M]
     keys = k.index_select(1, order).float().repeat_interleave(hv // k.shape[2], dim=2)  # [L, M, Hv, Dk]
     values = u.index_select(2, order)  # [L, Hv, M, Dv]
     decay = G.index_select(1, order)  # [L, M, Hv]
-    last = decay.gather(1, (length.reshape(1, 1, 1) - 1).expand(layers, 1, hv))  # [L, 1, Hv]
+    last_index = (length.reshape(1, 1, 1) - 1).clamp(min=0).expand(layers, 1, hv)
+    last = decay.gather(1, last_index) * (length > 0)  # [L, 1, Hv]; 0 (no decay) for an empty path
     # Rows past the path are stale nodes whose decay may exceed the last node's: mask before exp.
     weight = (last - decay).masked_fill(~live[None, :, None], float("-inf")).exp()
     state.mul_(last[:, 0, :, None, None].exp())

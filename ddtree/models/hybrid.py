@@ -278,14 +278,22 @@ class GatedDeltaNet(nn.Module):
     # -- the forward and the commit ----------------------------------------------------------------
 
     def forward(self, x, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
-        """x [N, H] (normed) -> [N, H]."""
+        """x [N, H] (normed) -> [N, H]. A packed batch (`meta.rows`, their tokens one row after
+        another) runs each row from its own state (`RowSpan.recurrent`) with its own meta."""
         mixed, z, b, a = F.linear(x, self.in_proj.weight).split(self.split, dim=-1)
+        if meta.rows is None:
+            o = self._sequence(mixed, a, b, meta, cache, ops)
+        else:
+            o = torch.cat([self._sequence(mixed[row.tokens], a[row.tokens], b[row.tokens], row.meta, row.recurrent, ops)
+                           for row in meta.rows])
+        return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
+
+    def _sequence(self, mixed, a, b, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
+        """One sequence's tokens (a tree, or a run of tokens) from its state -> o [T, Hv, Dv] float32."""
         state, window = cache.state[self.linear_index], cache.conv[self.linear_index]
         if meta.parents is None:
-            o = self._advance(mixed, a, b, state, window, meta.length, meta.causal, ops)
-        else:
-            o = self._verify(mixed, a, b, meta, state, window, ops)
-        return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
+            return self._advance(mixed, a, b, state, window, meta.length, meta.causal, ops)
+        return self._verify(mixed, a, b, meta, state, window, ops)
 
     def _verify(self, mixed, a, b, meta: AttentionMeta, state, window, ops: HybridOps) -> torch.Tensor:
         """A round's tree: each node convolved over its own ancestors (then the committed window)
@@ -380,11 +388,15 @@ class HybridTarget(nn.Module):
         self.ops = _HYBRID_COMPILED
 
     def new_cache(self, slots: int, device, dtype) -> HybridCache:
-        cfg, g = self.config, self.config.gdn
+        cfg = self.config
         kv = KVCache(len(cfg.attention_layers), slots, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
-        state = RecurrentState(len(self.linear_layers), g.num_value_heads, g.key_head_dim, g.value_head_dim,
-                               g.conv_kernel, g.conv_dim, device, dtype)
-        return HybridCache(kv, state)
+        return HybridCache(kv, self.new_recurrent_state(device, dtype))
+
+    def new_recurrent_state(self, device, dtype) -> RecurrentState:
+        """One sequence's recurrent state and conv windows (every Gated DeltaNet layer's), zeroed."""
+        g = self.config.gdn
+        return RecurrentState(len(self.linear_layers), g.num_value_heads, g.key_head_dim, g.value_head_dim,
+                              g.conv_kernel, g.conv_dim, device, dtype)
 
     def new_scratch(self, nodes: int, device, dtype) -> RecurrentScratch:
         g = self.config.gdn
@@ -395,11 +407,12 @@ class HybridTarget(nn.Module):
         """After a round's walk: move the accepted nodes' KV entries into place (`order` [M]: the
         accepted path first, root included) and advance every recurrent layer by the path's
         `length` nodes: its states by folding the verify's stash (one kernel for all layers on
-        CUDA), its conv windows to the path's last K - 1 inputs."""
+        CUDA), its conv windows to the path's last K - 1 inputs. A length of 0 (a batch's padding
+        row, or any row in a capture's warm-up) leaves the state and windows as they are."""
         cache.kv.compact(start, order)
         # A real walk accepts 1 .. len(order) nodes; a graph's warm-up runs the back half on a
         # tree that was never built, whose walk can claim more.
-        length = torch.clamp(length, 1, order.shape[0])
+        length = torch.clamp(length, 0, order.shape[0])
         rec = cache.recurrent
         if rec.state.is_cuda and gdn_kernels is not None and KERNELS_ENABLED and gdn_kernels.fold_supported(rec.state):
             gdn_kernels.fold_path(rec.state, scratch.k, scratch.u, scratch.G, order, length)

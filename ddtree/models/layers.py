@@ -82,11 +82,13 @@ class SwiGLU(nn.Module):
 class RowSpan:
     """One sequence of a packed forward (several sequences' tokens in one batch, `ddtree.batch`):
     its tokens' rows in the batch, the first of its cache slots, and the attention meta it would
-    have alone (slots and key lengths counted from `first_slot`)."""
+    have alone (slots and key lengths counted from `first_slot`); for a hybrid target, its own
+    recurrent state (`recurrent_state.RecurrentState`), which its recurrent layers run from."""
 
     tokens: slice
     first_slot: int
     meta: "AttentionMeta"
+    recurrent: object = None
 
 
 @dataclass

@@ -25,8 +25,8 @@ class ServerLimits:
     max_stop: int = 16  # stop strings, and stop token ids, per request
     max_stop_chars: int = 256  # characters per stop string
     # Requests decoded together, each round one packed forward (ddtree.batching); more wait in the
-    # queue. None: 8 on a CPU; 1 on CUDA, where the one-request engine's CUDA graphs are faster than
-    # the batched engine, which has none yet; always 1 for hybrid targets.
+    # queue. None: 8 on a CPU; 1 on CUDA and for hybrid targets, until their batched rounds have
+    # passed their GPU tests and a concurrency-1 request is as fast as on the one-request engine.
     max_num_seqs: int | None = None
     # -- the request body ----------------------------------------------------------------------
     max_request_bytes: int = 8 * 1024 * 1024

@@ -1,0 +1,144 @@
+"""Hybrid targets (Gated DeltaNet and gated attention layers) in the batched engine, float32 on the
+CPU: every cache row holds its own recurrent state and conv windows, a packed forward runs each
+row's recurrent layers from its own state (a prefill advancing it, a tree verify only reading it),
+and each row's commit folds its own accepted path in. Every row's tokens equal its run alone
+through the one-request engine: greedy and sampled rows with their own seeds, `ar`, chain and a
+tree, rows leaving from the middle (the last row's state moves into the freed row) and joining,
+padding rows in a row bucket, mixed budgets (the per-row round), and the graphs' logic (a capture
+as one run, a replay as another: the back's warm-up runs with every row not live, and must leave
+every state as it was)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.batch_engine import BatchEngine
+from ddtree.config import SamplingParams
+from ddtree.llm import LLM
+from ddtree.tree_shape import AR, CHAIN, TreeShape
+from tiny_models import make_drafter, make_hybrid_target
+
+MAX_LEN = 96
+VOCAB = 96
+B8 = TreeShape.best(8)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    pytest.importorskip("transformers.models.qwen3_5")
+    root = tmp_path_factory.mktemp("batch-hybrid")
+    make_hybrid_target(root / "t", vocab=VOCAB)
+    make_drafter(root / "d", root / "t", block_size=8)
+    return LLM(root / "t", root / "d", device="cpu", dtype="float32", max_model_len=MAX_LEN)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(2, VOCAB - 1, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+CASES = [  # the second row finishes first, so the last row moves into its cache row
+    (prompt(20, 1), SamplingParams(max_tokens=14, ignore_eos=True)),
+    (prompt(7, 2), SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True)),
+    (prompt(33, 3), SamplingParams(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)),
+    (prompt(12, 4), SamplingParams(max_tokens=9, ignore_eos=True)),
+]
+
+
+def solo(llm, case, budget) -> list[int]:
+    tokens, params = case
+    return llm.generate(tokens, params, tree_budget=budget.json_value).token_ids
+
+
+def decode(engine, cases, budgets, join_after: int) -> list[list[int]]:
+    """Add the first `join_after` cases, then one more each round; step until each has its
+    max_tokens -> every case's tokens. budgets: one per case."""
+    waiting, tokens, index = list(enumerate(cases)), {}, {}
+
+    def join():
+        i, (ids, params) = waiting.pop(0)
+        seq, step = engine.add(ids, params, budgets[i])
+        index[id(seq)], tokens[i] = i, list(step.tokens)
+
+    for _ in range(join_after):
+        join()
+    while engine.sequences:
+        for seq, step in engine.step():
+            i = index[id(seq)]
+            tokens[i] += step.tokens
+            if len(tokens[i]) >= cases[i][1].max_tokens:
+                engine.remove(seq)
+        if waiting:
+            join()
+    return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(cases)]
+
+
+class RunAgain:
+    """A CUDA graph's stand-in on the CPU: replaying it runs its function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def replayed(engine, monkeypatch):
+    """The engine's graph path on the CPU: a capture runs its function once (as a real capture's
+    warm-up does), each replay once more."""
+    monkeypatch.setattr(engine.rounds, "use_graphs", True)
+    monkeypatch.setattr(engine.rounds, "capture", lambda fn: (RunAgain(fn), fn()))
+    return engine
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("budget", [AR, CHAIN, B8], ids=str)
+def test_uniform_rounds_equal_solo_runs(llm, budget, graphs, monkeypatch):
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, kv_bucket=32, pad_rows=True)
+    assert engine.hybrid and len(engine.row_states) == 4
+    if graphs:
+        replayed(engine, monkeypatch)
+    moves, move = [], engine._move
+    monkeypatch.setattr(engine, "_move", lambda seq, row: (moves.append((seq.row, row)), move(seq, row)))
+    got = decode(engine, CASES, [budget] * len(CASES), join_after=3)
+    assert (2, 1) in moves  # the second row left first: the third moved into its row, state and all
+    if graphs:
+        assert engine.rounds.back_graphs and engine.rounds.front_graphs
+    for tokens, case in zip(got, CASES):
+        assert tokens == solo(llm, case, budget), (budget, case[0][:4])
+
+
+def test_mixed_budgets_equal_solo_runs(llm):
+    """Rows at `ar`, chain and a tree together take the per-row round; each row's verify stashes
+    into its own scratch and commits into its own state."""
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9)
+    budgets = [B8, AR, CHAIN, B8]
+    got = decode(engine, CASES, budgets, join_after=4)
+    for tokens, case, budget in zip(got, CASES, budgets):
+        assert tokens == solo(llm, case, budget), (budget, case[0][:4])
+
+
+def test_a_commit_of_no_nodes_leaves_the_state(llm):
+    """A padding row's commit (length 0) leaves its recurrent state and conv windows bit for bit,
+    as the back's warm-up under capture needs; a commit of one node changes them."""
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=2, max_nodes=9)
+    seq, _ = engine.add(prompt(10, 9), SamplingParams(max_tokens=4), B8)
+    engine.step()
+    state = engine.row_states[seq.row]
+    before = state.state.clone(), state.conv.clone()
+    kept = torch.arange(3)
+    engine.commit_row(seq.row, seq.first_slot + seq.n, kept, torch.tensor(0), 9)
+    assert torch.equal(state.state, before[0]) and torch.equal(state.conv, before[1])
+    engine.commit_row(seq.row, seq.first_slot + seq.n, kept, torch.tensor(1), 9)
+    assert not torch.equal(state.state, before[0])
+
+
+def test_llm_generate_with_several_prompts_batches_a_hybrid_when_asked(llm, tmp_path_factory):
+    """`LLM(max_num_seqs=N)` batches a hybrid target (by default it decodes one request at a
+    time): several prompts through `generate` equal their one-at-a-time runs."""
+    assert llm.max_num_seqs == 1
+    batched = LLM(llm.target_path, llm.draft_path, device="cpu", dtype="float32", max_model_len=MAX_LEN,
+                  max_num_seqs=3)
+    prompts, params = [ids for ids, _ in CASES], [p for _, p in CASES]
+    got = batched.generate(prompts, params, B8.json_value)
+    assert batched._batch is not None and batched._batch.engine.hybrid
+    assert [r.token_ids for r in got] == [solo(llm, case, B8) for case in CASES]
