@@ -4,12 +4,14 @@ the batch's choice (ddtree.batch_budget) picks at each batch size.
     python -m benchmarks.batch_round_latency OUTPUT.json [--shape qwen3-8b|demo] [--rows 1,4,16]
         [--budgets ar,16,64] [--context 512] [--acceptance 16=4.15,64=4.86] [--device cuda] [--eager]
 
-`--shape qwen3-8b` builds Qwen3-8B and its 5-layer drafter with random bf16 weights (a GPU);
+`--shape qwen3-8b` builds Qwen3-8B and its 5-layer drafter with random bf16 weights (a GPU;
+`qwen3.6-27b` the hybrid Qwen3.6-27B, whose rows each hold their own recurrent state);
 `demo` loads the shipped demo pair (float32 on the CPU). Every row holds a dummy prompt of
 `--context` tokens; each (rows, budget) cell is the median of a few `BatchEngine.step` rounds
 (`ddtree.round_costs.measure_round_costs`: one untimed round, then three), every row at the
 budget: the engine's fixed-shape round, on CUDA replayed from CUDA graphs (captured in the untimed
-round) unless `--eager`. The floor of a round: the target's weights read once plus every row's KV, or its matmul and
+round) unless `--eager`. The floor of a round: the target's weights read once plus every row's KV
+(and a hybrid row's recurrent state, read and rewritten), or its matmul and
 attention FLOPs over rows x nodes tokens, whichever is longer, plus the drafter's pass for the
 rows that draft (`benchmarks/round_latency.py`'s terms).
 
@@ -52,12 +54,15 @@ def floor_ms(target, drafter, rows: int, nodes: int, context: int, drafts: bool,
     from benchmarks.round_latency import forward_floor, matmul_params
 
     tcfg, dcfg = target.config, drafter.config
-    attn_layers = tcfg.num_hidden_layers  # the batched engine serves dense targets
+    attn_layers = len(tcfg.attention_layers) if tcfg.hybrid else tcfg.num_hidden_layers
     kv_bytes = 2 * attn_layers * tcfg.num_key_value_heads * tcfg.head_dim * target.lm_head.weight.element_size()
+    # A hybrid row's recurrent state (float32) is read by its verify and rewritten by its commit.
+    state_bytes = 2 * target.new_recurrent_state("meta", torch.bfloat16).state.numel() * 4 if tcfg.hybrid else 0
     seen = context + nodes
     attn_flops = rows * 4 * nodes * seen * tcfg.head_dim * tcfg.num_attention_heads * attn_layers
     tparams = matmul_params(target, skip_embedding=True)
-    target_s = forward_floor(tparams, rows * nodes, rows * kv_bytes * seen, ceilings, extra_flops=attn_flops)
+    target_s = forward_floor(tparams, rows * nodes, rows * (kv_bytes * seen + state_bytes), ceilings,
+                             extra_flops=attn_flops)
     if not drafts:
         return target_s * 1000
     dparams = matmul_params(drafter, skip_embedding=True) + target.lm_head.weight.numel()
@@ -100,7 +105,7 @@ def chosen(costs, block_size: int, candidates, acceptance: dict, rows: int, cont
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("output")
-    ap.add_argument("--shape", choices=("qwen3-8b", "demo"), default="qwen3-8b")
+    ap.add_argument("--shape", choices=("qwen3-8b", "qwen3.6-27b", "demo"), default="qwen3-8b")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--budgets", default="ar,16,64")
     ap.add_argument("--context", type=int, default=512)
