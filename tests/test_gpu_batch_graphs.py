@@ -113,3 +113,31 @@ def test_graphs_captured_ahead_serve_every_round_float32(pair):
     assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
     for tokens, (prompt, params) in zip(got, requests):
         assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, prompt[:8]
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    pytest.importorskip("transformers.models.qwen3_5")
+    from tiny_models import make_hybrid_target
+
+    root = tmp_path_factory.mktemp("gpu_batch_hybrid")
+    make_hybrid_target(root / "t", vocab=512, hidden=128, layers=8, heads=4, kv_heads=2, head_dim=64,
+                       linear_key_heads=2, linear_value_heads=4, linear_head_dim=32, max_positions=2048, peak=10.0)
+    make_drafter(root / "d", root / "t", block_size=16)
+    return root / "t", root / "d"
+
+
+@pytest.mark.parametrize("budget", [AR, TreeShape.best(16)], ids=str)
+def test_hybrid_graph_rounds_equal_solo_runs_float32(hybrid_pair, budget):
+    """A hybrid target's batched graph rounds (each row's recurrent layers from its own state, the
+    Triton tree and fold kernels, the back's warm-up folding nothing) equal each row's solo run."""
+    target, draft = hybrid_pair
+    solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
+    batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
+    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=17)
+    assert engine.hybrid and engine.use_graphs
+    requests = cases(seed=4)
+    got = decode(engine, requests, budget)
+    assert engine.rounds.front_graphs and engine.rounds.back_graphs
+    for tokens, (prompt, params) in zip(got, requests):
+        assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, (budget, prompt[:8])
