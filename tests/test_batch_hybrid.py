@@ -16,6 +16,7 @@ from ddtree.batch_engine import BatchEngine
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
+from batch_helpers import replayed
 from tiny_models import make_drafter, make_hybrid_target
 
 MAX_LEN = 96
@@ -70,24 +71,6 @@ def decode(engine, cases, budgets, join_after: int) -> list[list[int]]:
         if waiting:
             join()
     return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(cases)]
-
-
-class RunAgain:
-    """A CUDA graph's stand-in on the CPU: replaying it runs its function again."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
-def replayed(engine, monkeypatch):
-    """The engine's graph path on the CPU: a capture runs its function once (as a real capture's
-    warm-up does), each replay once more."""
-    monkeypatch.setattr(engine.rounds, "use_graphs", True)
-    monkeypatch.setattr(engine.rounds, "capture", lambda fn: (RunAgain(fn), fn()))
-    return engine
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])

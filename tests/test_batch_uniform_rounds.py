@@ -15,6 +15,7 @@ from ddtree.batch_round import row_bucket
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
+from batch_helpers import replayed
 from tiny_models import make_drafter, make_target
 
 MAX_LEN = 80
@@ -93,27 +94,6 @@ def decode(engine, llm, cases, budget, join_after=None):
         if waiting:
             join()
     return [tokens[i][:sampling.max_tokens] for i, (_, sampling) in enumerate(cases)]
-
-
-class RunAgain:
-    """A CUDA graph's stand-in on the CPU: replaying it runs its function again."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
-def replayed(engine, monkeypatch):
-    """Make `engine` take its graph path on the CPU: a capture runs the function once, as a
-    capture's warm-up does (a real capture then records it without running it)."""
-    def capture(fn):
-        return RunAgain(fn), fn()
-
-    monkeypatch.setattr(engine.rounds, "use_graphs", True)
-    monkeypatch.setattr(engine.rounds, "capture", capture)
-    return engine
 
 
 def test_row_buckets():
