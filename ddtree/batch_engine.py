@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from ddtree.batch_round import UniformRounds, row_bucket
 from ddtree.config import MAX_TREE_BUDGET, SamplingParams
-from ddtree.engine import PREFILL_CHUNK, Step, prefill_chunks
+from ddtree.engine import PREFILL_CHUNK, PREFILL_PAD_MAX, Step, prefill_chunks, prefill_lengths
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
 from ddtree.models.layers import AttentionMeta, RowSpan
 from ddtree.recurrent_state import HybridCache
@@ -85,14 +85,16 @@ class Sequence:
 class BatchEngine:
     def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
-                 pad_rows: bool | None = None, compile_layers: bool | None = None, fused_tree: bool | None = None):
+                 pad_rows: bool | None = None, compile_layers: bool | None = None, fused_tree: bool | None = None,
+                 padded_prefill: bool | None = None):
         """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
         that of the largest tree budget); prefill_chunk: the most tokens of a prompt one forward
         prefills (`ddtree.engine.prefill_chunks`). For the rounds whose rows share one tree shape
         (ddtree.batch_round): use_graphs (default: on CUDA) captures them as CUDA graphs; kv_bucket
         (default: 256 with graphs, else 1) rounds their KV length up; pad_rows (default: use_graphs)
         rounds their rows up to a row bucket (1, 2, 4, ..., max_rows), so that few graphs serve every
-        row count; compile_layers (default: use_graphs) and fused_tree (default: on CUDA) as `Engine`'s."""
+        row count; compile_layers (default: use_graphs), fused_tree (default: on CUDA) and
+        padded_prefill (default: use_graphs: prompts padded to `engine.prefill_lengths`) as `Engine`'s."""
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if prefill_chunk < 1:
@@ -141,6 +143,8 @@ class BatchEngine:
             if drafter is not None:
                 drafter.use_compiled()
         self.kv_bucket = kv_bucket or (256 if self.use_graphs else 1)
+        pad = self.use_graphs if padded_prefill is None else padded_prefill
+        self.prefill_lengths = prefill_lengths(min(PREFILL_PAD_MAX, max_model_len)) if pad else []
         self.pad_rows = self.use_graphs if pad_rows is None else pad_rows
         fused_tree = (self.device.type == "cuda") if fused_tree is None else fused_tree
         self.rounds = UniformRounds(self, self.use_graphs, fused_tree)
@@ -232,16 +236,38 @@ class BatchEngine:
         seq.row, seq.first_slot = row, first
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
-        """The prompt's forwards into the row, chunked as `Engine`'s (`prefill_chunks`) -> logits
-        [1, V] of its last token (float32); the drafter's context too, for a sequence that feeds it."""
-        tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        """The prompt's forwards into the row -> logits [1, V] of its last token (float32); the
+        drafter's context too, for a sequence that feeds it. A prompt of up to the longest of
+        `prefill_lengths` is padded to the next of them, in one forward, as `Engine`'s: a few shapes
+        for every prompt length, so that what a shape costs the first time (compiled functions,
+        kernel plans) is paid once per length, not once per prompt. Longer prompts go in chunks
+        (`prefill_chunks`)."""
         taps = self.feature_layers if seq.feeds_drafter else None
+        length = next((x for x in self.prefill_lengths if x >= len(prompt)), None)
+        if length is not None:
+            return self._padded_prefill(seq, prompt, length, taps)
+        tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
         for rows, alone, last in prefill_chunks(len(prompt), self.prefill_chunk, self.device):
             positions = alone.write_slots
             meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)], states=True)
             logits, features = self.target(tokens[rows], positions, meta, self.cache, taps, logit_rows=last)
             if features is not None:
                 self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
+        return logits
+
+    def _padded_prefill(self, seq: Sequence, prompt: list[int], length: int, taps: list[int] | None) -> torch.Tensor:
+        """The prompt padded to `length` tokens in one causal forward: the padding writes only slots
+        past n of the row (scratch, rewritten before any query reads it), and a hybrid's recurrent
+        layers stop at n."""
+        p = len(prompt)
+        tokens = torch.tensor(prompt + [0] * (length - p), dtype=torch.long).to(self.device)
+        positions = torch.arange(length, device=self.device)
+        n = torch.tensor(p, device=self.device)
+        alone = AttentionMeta(positions, length, None, causal=True, length=n)
+        meta = self._packed(positions + seq.first_slot, [(seq, slice(0, length), alone)], states=True)
+        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=(n - 1).reshape(1))
+        if features is not None:
+            self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
         return logits
 
     def _packed(self, write_slots: torch.Tensor, rows: list[tuple[Sequence, slice, AttentionMeta]],

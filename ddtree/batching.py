@@ -45,6 +45,7 @@ class BatchedRequests:
         self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes,
                                   prefill_chunk=llm.engine.prefill_chunk, use_graphs=llm.engine.use_graphs,
                                   kv_bucket=llm.engine.kv_bucket, fused_tree=llm.engine.fused_tree,
+                                  padded_prefill=bool(llm.engine.prefill_lengths),
                                   compile_layers=False)  # the models run as the LLM set them
         self.running: list[BatchedRequest] = []
 

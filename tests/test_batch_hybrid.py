@@ -92,8 +92,10 @@ def test_uniform_rounds_equal_solo_runs(llm, budget, graphs, monkeypatch):
 
 def test_mixed_budgets_equal_solo_runs(llm):
     """Rows at `ar`, chain and a tree together take the per-row round; each row's verify stashes
-    into its own scratch and commits into its own state."""
-    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9)
+    into its own scratch and commits into its own state. Prompts are prefilled padded to the next
+    prefill length (the recurrent layers stop at the prompt's end)."""
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, padded_prefill=True)
+    assert engine.prefill_lengths and all(len(ids) not in engine.prefill_lengths for ids, _ in CASES)
     budgets = [B8, AR, CHAIN, B8]
     got = decode(engine, CASES, budgets, join_after=4)
     for tokens, case, budget in zip(got, CASES, budgets):

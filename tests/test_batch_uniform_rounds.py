@@ -165,7 +165,10 @@ def test_ar_rounds_feed_the_drafter_for_later_trees_under_replayed_graphs(llm, m
 
 
 def test_mixed_budgets_take_the_per_row_round_and_equal_solo_runs(llm, monkeypatch):
-    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=3, max_nodes=9, pad_rows=True)
+    """(Prompts prefilled padded to the next prefill length, as on CUDA.)"""
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=3, max_nodes=9, pad_rows=True,
+                         padded_prefill=True)
+    assert engine.prefill_lengths
     counted = Counted(engine, monkeypatch)
     budgets = [B8, AR, B8]
     seqs, tokens = [], []
