@@ -33,7 +33,8 @@ next drafts (or once FEED_EVERY have gathered, which bounds their memory), so th
 any later round without paying a drafter call per `ar` round.
 
 A hybrid target's recurrent layers keep one state per sequence, not per slot: each cache row has
-its own (`row_states`, with conv windows) and its own verify stash (`row_scratch`); a packed
+its own (`row_states`, with conv windows) and its own verify stash (`row_scratch`, sized for the
+largest tree run so far); a packed
 forward runs each row's recurrent layers from its row's state (`RowSpan.recurrent`), a prefill
 advancing it and a verify only reading it, and `commit_row` folds each row's accepted path in
 (nothing for a row that is not live, so that padding rows and a capture's warm-up change no
@@ -114,12 +115,11 @@ class BatchEngine:
         self.kv = self.cache.kv if self.hybrid else self.cache  # the attention layers' KV, rows of row_slots
         if self.hybrid:
             # A hybrid target's recurrent layers: each cache row's own state and conv windows (row
-            # 0's are the cache's), and the stash its verify leaves for the commit (sized for the
-            # largest tree; every budget and row bucket shares it).
+            # 0's are the cache's), and the stash its verify leaves for the commit (`ensure_scratch`).
             self.row_states = [self.cache.recurrent] + [target.new_recurrent_state(self.device, self.dtype)
                                                         for _ in range(max_rows - 1)]
             self.row_caches = [HybridCache(self.kv, state) for state in self.row_states]
-            self.row_scratch = [target.new_scratch(self.max_nodes, self.device, self.dtype) for _ in range(max_rows)]
+        self.row_scratch: list = []
         self.draft_cache = None
         self.draft_noise = None
         if drafter is not None:
@@ -366,6 +366,7 @@ class BatchEngine:
         if self.sequences:
             raise RuntimeError("graphs are captured ahead on an engine with no sequences")
         start, count = time.perf_counter(), 0
+        self.ensure_scratch(max(budget.nodes(self.block_size) for budget in budgets))  # grown once, first
         buckets = sorted({row_bucket(r, self.max_rows) for r in range(1, self.max_rows + 1)}) if self.pad_rows \
             else list(range(1, self.max_rows + 1))
         for budget in budgets:
@@ -391,6 +392,7 @@ class BatchEngine:
         self._feed_unfed(drafting)  # their context whole before they draft
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
         trees = [self._tree(seq, drafts.get(id(seq))) for seq in seqs]
+        self.ensure_scratch(max(tree.size for tree in trees))
 
         # The verify: every tree in one forward, each row seeing its context and its ancestors.
         rows, start = [], 0
@@ -440,6 +442,16 @@ class BatchEngine:
             at += keep + 2
         self._store_rows()
         return steps
+
+    def ensure_scratch(self, nodes: int) -> None:
+        """A hybrid's per-row verify stash for trees of `nodes` nodes: every budget and row bucket
+        shares one per cache row, sized for the largest tree that has run (2.4 MiB per node and
+        row at Qwen3.6-27B shape), not the largest a request may name. Growing it drops the
+        captured graphs, which hold the old stash's addresses (it happens once per larger budget)."""
+        if not self.hybrid or (self.row_scratch and self.row_scratch[0].nodes >= nodes):
+            return
+        self.row_scratch = [self.target.new_scratch(nodes, self.device, self.dtype) for _ in range(self.max_rows)]
+        self.rounds.drop_graphs()
 
     def recurrent_tree(self, row: int, parents: torch.Tensor, depths: torch.Tensor) -> dict:
         """A tree verify's meta fields for a hybrid's recurrent layers (the tree's shape and the

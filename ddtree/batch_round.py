@@ -260,9 +260,10 @@ class UniformRounds:
         """The buffers of (rows, budget), made on first use with the shapes that never change (the
         chain's and `ar`'s) and the budget's tree plan."""
         key = (rows, budget)
+        e = self.engine
+        e.ensure_scratch(budget.nodes(e.block_size))  # before any capture of this key
         if key in self.buffers:
             return self.buffers[key]
-        e = self.engine
         size = budget.nodes(e.block_size)
         bufs = RowBuffers(rows, size, min(size, e.block_size or 1), e)
         zero = torch.zeros((), dtype=torch.long, device=e.device)
@@ -291,6 +292,11 @@ class UniformRounds:
             if (rows, budget, kv_len, feeds) not in self.front_graphs:
                 self._capture_front(bufs, budget, kv_len, feeds)
         return len(self.front_graphs) + len(self.back_graphs) - before
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (they are captured again on their next use)."""
+        self.front_graphs.clear()
+        self.back_graphs.clear()
 
     def capture(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
         start = time.perf_counter()

@@ -127,3 +127,25 @@ def test_llm_generate_with_several_prompts_batches_a_hybrid_when_asked(llm, tmp_
     got = batched.generate(prompts, params, B8.json_value)
     assert batched._batch is not None and batched._batch.engine.hybrid
     assert [r.token_ids for r in got] == [solo(llm, case, B8) for case in CASES]
+
+
+def test_graphs_captured_ahead_stay_when_the_stash_is_sized_for_the_largest_budget(llm, monkeypatch):
+    """`capture_all` sizes each row's verify stash for its largest budget first, so that no
+    capture is dropped by a later, larger budget growing it; rows then replay only those graphs
+    and equal their solo runs. A larger budget arriving later grows the stash and drops the graphs."""
+    engine = replayed(BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=17, kv_bucket=32,
+                                  pad_rows=True), monkeypatch)
+    monkeypatch.setattr(engine, "use_graphs", True)
+    captured = engine.capture_all([AR, B8])
+    fronts, backs = set(engine.rounds.front_graphs), set(engine.rounds.back_graphs)
+    assert captured == len(fronts) + len(backs) and {key[1] for key in backs} == {AR, B8}
+    assert engine.row_scratch[0].nodes == B8.nodes(engine.block_size)
+    got = decode(engine, CASES, [B8] * len(CASES), join_after=3)
+    assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
+    for tokens, case in zip(got, CASES):
+        assert tokens == solo(llm, case, B8), case[0][:4]
+    b16 = TreeShape.best(16)
+    got = decode(engine, CASES[:1], [b16], join_after=1)
+    assert engine.row_scratch[0].nodes == b16.nodes(engine.block_size)
+    assert all(key[1] == b16 for key in engine.rounds.back_graphs)  # the smaller budgets' graphs were dropped
+    assert got[0] == solo(llm, CASES[0], b16)
