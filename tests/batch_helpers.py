@@ -22,3 +22,29 @@ def replayed(engine, monkeypatch):
     monkeypatch.setattr(engine.rounds, "use_graphs", True)
     monkeypatch.setattr(engine.rounds, "capture", capture)
     return engine
+
+
+def decode_rows(engine, requests, budgets, join_after: int, after_round=None) -> list[list[int]]:
+    """requests [(prompt ids, SamplingParams)] with one tree budget each: the first `join_after`
+    join, then one more after each round while a row is free; each leaves at its max_tokens.
+    after_round(engine) runs after every round (the callers' checks) -> every request's tokens."""
+    waiting, tokens, index = list(enumerate(requests)), {}, {}
+
+    def join():
+        i, (prompt, params) = waiting.pop(0)
+        seq, step = engine.add(prompt, params, budgets[i])
+        index[id(seq)], tokens[i] = i, list(step.tokens)
+
+    for _ in range(join_after):
+        join()
+    while engine.sequences:
+        for seq, step in engine.step():
+            i = index[id(seq)]
+            tokens[i] += step.tokens
+            if len(tokens[i]) >= requests[i][1].max_tokens:
+                engine.remove(seq)
+        if after_round is not None:
+            after_round(engine)
+        if waiting and engine.free_rows:
+            join()
+    return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(requests)]

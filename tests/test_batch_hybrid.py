@@ -16,7 +16,7 @@ from ddtree.batch_engine import BatchEngine
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
-from batch_helpers import replayed
+from batch_helpers import decode_rows, replayed
 from tiny_models import make_drafter, make_hybrid_target
 
 MAX_LEN = 96
@@ -50,29 +50,6 @@ def solo(llm, case, budget) -> list[int]:
     return llm.generate(tokens, params, tree_budget=budget.json_value).token_ids
 
 
-def decode(engine, cases, budgets, join_after: int) -> list[list[int]]:
-    """Add the first `join_after` cases, then one more each round; step until each has its
-    max_tokens -> every case's tokens. budgets: one per case."""
-    waiting, tokens, index = list(enumerate(cases)), {}, {}
-
-    def join():
-        i, (ids, params) = waiting.pop(0)
-        seq, step = engine.add(ids, params, budgets[i])
-        index[id(seq)], tokens[i] = i, list(step.tokens)
-
-    for _ in range(join_after):
-        join()
-    while engine.sequences:
-        for seq, step in engine.step():
-            i = index[id(seq)]
-            tokens[i] += step.tokens
-            if len(tokens[i]) >= cases[i][1].max_tokens:
-                engine.remove(seq)
-        if waiting:
-            join()
-    return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(cases)]
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("budget", [AR, CHAIN, B8], ids=str)
 def test_uniform_rounds_equal_solo_runs(llm, budget, graphs, monkeypatch):
@@ -82,7 +59,7 @@ def test_uniform_rounds_equal_solo_runs(llm, budget, graphs, monkeypatch):
         replayed(engine, monkeypatch)
     moves, move = [], engine._move
     monkeypatch.setattr(engine, "_move", lambda seq, row: (moves.append((seq.row, row)), move(seq, row)))
-    got = decode(engine, CASES, [budget] * len(CASES), join_after=3)
+    got = decode_rows(engine, CASES, [budget] * len(CASES), join_after=3)
     assert (2, 1) in moves  # the second row left first: the third moved into its row, state and all
     if graphs:
         assert engine.rounds.back_graphs and engine.rounds.front_graphs
@@ -97,7 +74,7 @@ def test_mixed_budgets_equal_solo_runs(llm):
     engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, padded_prefill=True)
     assert engine.prefill_lengths and all(len(ids) not in engine.prefill_lengths for ids, _ in CASES)
     budgets = [B8, AR, CHAIN, B8]
-    got = decode(engine, CASES, budgets, join_after=4)
+    got = decode_rows(engine, CASES, budgets, join_after=4)
     for tokens, case, budget in zip(got, CASES, budgets):
         assert tokens == solo(llm, case, budget), (budget, case[0][:4])
 
@@ -140,12 +117,12 @@ def test_graphs_captured_ahead_stay_when_the_stash_is_sized_for_the_largest_budg
     fronts, backs = set(engine.rounds.front_graphs), set(engine.rounds.back_graphs)
     assert captured == len(fronts) + len(backs) and {key[1] for key in backs} == {AR, B8}
     assert engine.row_scratch[0].nodes == B8.nodes(engine.block_size)
-    got = decode(engine, CASES, [B8] * len(CASES), join_after=3)
+    got = decode_rows(engine, CASES, [B8] * len(CASES), join_after=3)
     assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
     for tokens, case in zip(got, CASES):
         assert tokens == solo(llm, case, B8), case[0][:4]
     b16 = TreeShape.best(16)
-    got = decode(engine, CASES[:1], [b16], join_after=1)
+    got = decode_rows(engine, CASES[:1], [b16], join_after=1)
     assert engine.row_scratch[0].nodes == b16.nodes(engine.block_size)
     assert all(key[1] == b16 for key in engine.rounds.back_graphs)  # the smaller budgets' graphs were dropped
     assert got[0] == solo(llm, CASES[0], b16)

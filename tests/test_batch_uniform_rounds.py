@@ -15,7 +15,7 @@ from ddtree.batch_round import row_bucket
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
-from batch_helpers import replayed
+from batch_helpers import decode_rows, replayed
 from tiny_models import make_drafter, make_target
 
 MAX_LEN = 80
@@ -73,27 +73,9 @@ def assert_free_rows_idle(engine):
 def decode(engine, llm, cases, budget, join_after=None):
     """Add `cases` [(prompt, sampling)] (those past `join_after` rows one round each later), step
     until each has its max_tokens -> every case's tokens, in order."""
-    waiting = list(enumerate(cases))
-    start = len(cases) if join_after is None else join_after
-    tokens, index = {}, {}
-
-    def join():
-        i, (prompt, sampling) = waiting.pop(0)
-        seq, step = engine.add(llm.encode(prompt), sampling, budget)
-        index[id(seq)], tokens[i] = i, list(step.tokens)
-
-    for _ in range(start):
-        join()
-    while engine.sequences:
-        for seq, step in engine.step():
-            i = index[id(seq)]
-            tokens[i] += step.tokens
-            if len(tokens[i]) >= cases[i][1].max_tokens:
-                engine.remove(seq)
-        assert_free_rows_idle(engine)
-        if waiting:
-            join()
-    return [tokens[i][:sampling.max_tokens] for i, (_, sampling) in enumerate(cases)]
+    requests = [(llm.encode(prompt), sampling) for prompt, sampling in cases]
+    return decode_rows(engine, requests, [budget] * len(cases), len(cases) if join_after is None else join_after,
+                       after_round=assert_free_rows_idle)
 
 
 def test_row_buckets():

@@ -14,6 +14,7 @@ from ddtree.batch_engine import BatchEngine
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
+from batch_helpers import decode_rows
 from tiny_models import make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,26 +47,11 @@ def cases(seed: int) -> list[tuple[list[int], SamplingParams]]:
 def decode(engine: BatchEngine, requests, budget: TreeShape) -> list[list[int]]:
     """Three rows start, the others join one per round as rows free up (max_rows 4: three live rows
     run in a bucket of 4); each leaves at its max_tokens -> every request's tokens."""
-    waiting, tokens, index = list(enumerate(requests)), {}, {}
-
-    def join():
-        i, (prompt, params) = waiting.pop(0)
-        seq, step = engine.add(prompt, params, budget)
-        index[id(seq)], tokens[i] = i, list(step.tokens)
-
-    for _ in range(3):
-        join()
-    while engine.sequences:
-        for seq, step in engine.step():
-            i = index[id(seq)]
-            tokens[i] += step.tokens
-            if len(tokens[i]) >= requests[i][1].max_tokens:
-                engine.remove(seq)
+    def free_rows_stay_at_0(engine):
         live = len(engine.sequences)
         assert engine.n[live:].tolist() == [0] * (engine.max_rows - live)  # free and padding rows stay at 0
-        if waiting and engine.free_rows:
-            join()
-    return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(requests)]
+
+    return decode_rows(engine, requests, [budget] * len(requests), 3, after_round=free_rows_stay_at_0)
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=str)
