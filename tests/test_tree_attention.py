@@ -91,15 +91,16 @@ def test_prefix_form_equals_dense_mask(n, hq, hkv, d, context, kv_len, splits, b
     torch.testing.assert_close(got.double(), reference(q, k, v, dense, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("fold,block_d", [(True, 32), (False, 32), (False, 8)])
 @pytest.mark.parametrize("splits", [2, 5, 9])
 @pytest.mark.parametrize("loads", [256, 8192])  # 1 split per load group at 256 (16 rows x 16 dims)
-def test_split_combine_in_kernel_or_launched(fold, splits, loads):
-    """The split combine done by each row block's last split (default) or as its own launch, over
-    split counts around the combine's grouped loads; repeated calls find the arrival counters zeroed."""
+def test_split_combine_in_kernel_or_launched(fold, block_d, splits, loads):
+    """The split combine done by each row block's last split (default) or as its own launch (whole
+    head dims per program, or in chunks of 8), over split counts around the combine's grouped
+    loads; repeated calls find the arrival counters zeroed."""
     n, hq, hkv, d, context, kv_len = 6, 4, 2, 16, 300, 320
     mask = tree_mask(n, context, kv_len, seed=2).to(DEVICE)
-    config = AttentionConfig(fold_combine=fold, combine_loads=loads)
+    config = AttentionConfig(fold_combine=fold, combine_loads=loads, combine_block_d=block_d)
     for seed in range(2):
         q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=seed)
         got = masked_attention(q, k, v, mask, d**-0.5, splits=splits, config=config)

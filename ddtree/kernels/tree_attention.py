@@ -84,6 +84,11 @@ class AttentionConfig:
     num_stages: int = 2  # H200: the fastest of 48 tilings at N = 1, 65, 129, 257, 513; within 6% at 17, 1025
     fold_combine: bool = True  # the last split combines (no second launch) when FOLD_MAX_PARTIALS allows
     combine_loads: int = 8192  # float32 partial-sum elements the combine loads at once (splits x [rows, D])
+    # Head dims per program of the combine launch: its programs are (16-row block, KV head, dim chunk).
+    # Whole rows (D) per program made one autoregressive step's combine at Qwen3.6-27B heads over
+    # 8192 keys (6 rows, 66 splits) 4 programs of 33 dependent loads each: 40.8 us a layer, against
+    # 14.5 for the attention itself (verify_profile_h200_qwen36_27b_8192.json).
+    combine_block_d: int = 32
 
 
 DEFAULT = AttentionConfig()
@@ -257,11 +262,12 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
                      PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
                      num_stages=config.num_stages)
     if splits > 1 and not fold:
-        combine_m = 16
-        unroll = max(1, min(splits_p, config.combine_loads // (combine_m * d)))
-        _combine_kernel[(triton.cdiv(batch * rows, combine_m), hkv)](
+        combine_m, combine_d = 16, min(config.combine_block_d, d)
+        unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
+        _combine_kernel[(triton.cdiv(batch * rows, combine_m), hkv, d // combine_d)](
             part_o, part_ml, out, batch * rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
-            BLOCK_M=combine_m, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED, num_warps=4)
+            BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED,
+            num_warps=4)
     return out.view(n, hq * d)
 
 
@@ -398,7 +404,7 @@ if triton is not None:
             if arrived == splits - 1:  # the tile's last split: every other split's partials are visible
                 tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch
                 _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), all_rows,
-                         splits, so_n, so_h, D, BLOCK_M, SPLITS_P, UNROLL, LOOP_WHILE)
+                         splits, so_n, so_h, D, BLOCK_M, D, SPLITS_P, UNROLL, LOOP_WHILE)
         if not SPLIT:  # a row that saw no key (batch padding) gets zeros
             out = acc / tl.where(live & (l_i > 0), l_i, 1.0)[:, None]
             tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
@@ -419,10 +425,11 @@ if triton is not None:
 
     @triton.jit
     def _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, kv_heads, rows, splits, so_n, so_h,
-                 D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
-                 LOOP_WHILE: tl.constexpr):
-        """The splits' partial sums of rows r (KV head h) -> the normalised output. Loads bypass L1
-        (`.cg`): the partials may have been written by other programs of the same launch."""
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+                 UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr):
+        """The splits' partial sums of rows r (KV head h), head dims `dims` (BLOCK_D of D) -> the
+        normalised output there. Loads bypass L1 (`.cg`): the partials may have been written by
+        other programs of the same launch."""
         sp = tl.arange(0, SPLITS_P)
         at = (sp[:, None] * kv_heads + h) * rows + r[None, :]  # [SPLITS_P, BLOCK_M]
         ok = (sp[:, None] < splits) & live[None, :]
@@ -430,7 +437,7 @@ if triton is not None:
         top = tl.max(m, 0)
         w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)[None, :])  # a split that saw nothing: 0
         total = tl.sum(w * tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg"), 0)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
             first = 0
             while first < splits:
@@ -445,10 +452,12 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, GROUP: tl.constexpr,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
-                        LOOP_WHILE: tl.constexpr):
-        """Program (row block, KV head): `_combine` as its own launch (`AttentionConfig.fold_combine` off)."""
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+                        UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr):
+        """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
+        partials are too many for the last split to combine them (or `fold_combine` is off)."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
-        _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, tl.arange(0, D), h,
-                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, SPLITS_P, UNROLL, LOOP_WHILE)
+        dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, dims, h,
+                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE)
