@@ -36,11 +36,12 @@ from ddtree.recurrent_state import HybridCache, RecurrentScratch, RecurrentState
 
 log = logging.getLogger("ddtree.models")
 
-try:  # the Triton kernels of the tree and token-loop forms and the tree's conv (CUDA); PyTorch elsewhere
+try:  # the Triton kernels of the tree and token-loop forms, the tree's conv, SwiGLU (CUDA); PyTorch elsewhere
     from ddtree.kernels import gdn_tree as gdn_kernels
+    from ddtree.kernels import swiglu as swiglu_kernel
     from ddtree.kernels import tree_conv, tree_gdn_inputs
 except ImportError:
-    gdn_kernels = tree_conv = tree_gdn_inputs = None
+    gdn_kernels = swiglu_kernel = tree_conv = tree_gdn_inputs = None
 
 
 # DDTREE_GDN_KERNELS=0 runs the PyTorch forms on CUDA too (to measure the kernels against them).
@@ -185,6 +186,10 @@ class HybridOps:
         for name in self.NAMES:
             fn = globals()[name]
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
+        if compiled and swiglu_kernel is not None:  # Inductor's dynamic-shape kernel: 3x the bytes' time
+            inductor_swiglu = self.swiglu
+            self.swiglu = lambda gate_up: (swiglu_kernel.swiglu(gate_up) if swiglu_kernel.supported(gate_up)
+                                           else inductor_swiglu(gate_up))
 
 
 HYBRID_EAGER = HybridOps(compiled=False)
