@@ -2,7 +2,7 @@
 (`ddtree.models.gated_deltanet`) at Qwen3.6-27B's GDN heads (Hk 16, Hv 48, Dk = Dv = 128).
 
     python benchmarks/gdn_kernels.py [--tokens 1,16,17,65,257] [--steps 1,16] [--layers 48]
-        [--tree-shape deep|bushy] [--sweep] [--jobs 12] [--output FILE.json]
+        [--tree-shape deep|bushy] [--sweep] [--configs NAME,...] [--jobs 12] [--output FILE.json]
 
 Microseconds per call: the median replay of a CUDA graph of `--layers` calls, each on its own
 layer's state (as a round's GDN layers: the states are not all in L2), divided by their number.
@@ -14,8 +14,9 @@ layer's state (as a round's GDN layers: the states are not all in L2), divided b
 Each beside the reference's time, and the kernel's error, max |kernel - reference| / max |reference|
 against the float32 reference (itself ~1e-7 from float64: tests/test_gdn_kernels.py).
 
---sweep times every tiling of TREE_SWEEP and RECURRENT_SWEEP (else the defaults only); --jobs first
-compiles them in that many processes (Triton's cache then serves this one).
+--sweep times every tiling of TREE_SWEEP and RECURRENT_SWEEP (else the defaults only); --configs
+keeps those named (of either table; `--steps none` skips the token loop); --jobs first compiles
+them in that many processes (Triton's cache then serves this one).
 """
 from __future__ import annotations
 
@@ -174,13 +175,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48, help="calls per graph, each on its own state")
     ap.add_argument("--tree-shape", default="deep", choices=["deep", "bushy"])
     ap.add_argument("--sweep", action="store_true", help="time every tiling of TREE_SWEEP / RECURRENT_SWEEP")
+    ap.add_argument("--configs", default=None, help="with --sweep: only these tilings, comma-separated")
     ap.add_argument("--jobs", type=int, default=0, help="compile the tilings in this many processes first")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     sizes = [int(x) for x in args.tokens.split(",")]
-    steps = [int(x) for x in args.steps.split(",")]
+    steps = [] if args.steps == "none" else [int(x) for x in args.steps.split(",")]
     tree_configs = TREE_SWEEP if args.sweep else {"default": None}
     rec_configs = RECURRENT_SWEEP if args.sweep else {"default": None}
+    if args.sweep and args.configs:
+        names = args.configs.split(",")
+        unknown = set(names) - set(TREE_SWEEP) - set(RECURRENT_SWEEP)
+        if unknown:
+            ap.error(f"unknown tilings {sorted(unknown)}; known: {sorted(TREE_SWEEP) + sorted(RECURRENT_SWEEP)}")
+        tree_configs = {k: c for k, c in TREE_SWEEP.items() if k in names}
+        rec_configs = {k: c for k, c in RECURRENT_SWEEP.items() if k in names}
     if args.jobs:
         jobs = [("tree", c, n, args.tree_shape) for c in tree_configs.values() for n in sizes]
         jobs += [("recurrent", c, t, args.tree_shape) for c in rec_configs.values() for t in steps]
