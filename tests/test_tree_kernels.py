@@ -86,10 +86,20 @@ def test_the_cases_cover_full_depth_and_skipped_levels():
     assert sum(d < total for d, total in deepest.values()) >= 4
 
 
-@pytest.mark.parametrize("selection", ["sort", "topk"])
 @pytest.mark.parametrize("budget,depths,vocab,kw", SMALL)
-def test_fused_build_equals_build_tree(budget, depths, vocab, kw, selection):
-    check(budget, depths, vocab, selection, **kw)
+def test_fused_build_equals_build_tree(budget, depths, vocab, kw):
+    check(budget, depths, vocab, "topk", **kw)
+
+
+# The bitonic-sort selection (kept as a reference for the default top-k) on the cases with ties, a
+# vocabulary below the budget, dead depths and a chain through every depth: each case takes 5-15 s
+# in the interpreter.
+SORT_CASES = [SMALL[i] for i in (1, 2, 3, 9)]
+
+
+@pytest.mark.parametrize("budget,depths,vocab,kw", SORT_CASES)
+def test_sort_selection_equals_build_tree(budget, depths, vocab, kw):
+    check(budget, depths, vocab, "sort", **kw)
 
 
 def test_unknown_selection_is_refused():

@@ -188,7 +188,8 @@ class HybridOps:
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
         if compiled and swiglu_kernel is not None:  # Inductor's dynamic-shape kernel: 3x the bytes' time
             inductor_swiglu = self.swiglu
-            self.swiglu = lambda gate_up: (swiglu_kernel.swiglu(gate_up) if swiglu_kernel.supported(gate_up)
+            self.swiglu = lambda gate_up: (swiglu_kernel.swiglu(gate_up)
+                                           if gate_up.is_cuda and swiglu_kernel.supported(gate_up)
                                            else inductor_swiglu(gate_up))
 
 
