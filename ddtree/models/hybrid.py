@@ -186,11 +186,20 @@ class HybridOps:
         for name in self.NAMES:
             fn = globals()[name]
             setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True) if compiled else fn)
-        if compiled and swiglu_kernel is not None:  # Inductor's dynamic-shape kernel: 3x the bytes' time
-            inductor_swiglu = self.swiglu
-            self.swiglu = lambda gate_up: (swiglu_kernel.swiglu(gate_up)
-                                           if gate_up.is_cuda and swiglu_kernel.supported(gate_up)
-                                           else inductor_swiglu(gate_up))
+        if compiled and swiglu_kernel is not None:
+            self.swiglu = _swiglu_kernel_or(self.swiglu)
+
+
+def _swiglu_kernel_or(compiled_swiglu):
+    """SwiGLU through `kernels.swiglu` on CUDA tensors, else `compiled_swiglu`: Inductor's kernel,
+    compiled for dynamic shapes, loads two bytes at a time (on an H200, 65 rows of Qwen3.6-27B's
+    MLP: 6.1 us against the kernel's 3.6, benchmarks/swiglu.py)."""
+    def swiglu_fn(gate_up):
+        if gate_up.is_cuda and swiglu_kernel.supported(gate_up):
+            return swiglu_kernel.swiglu(gate_up)
+        return compiled_swiglu(gate_up)
+
+    return swiglu_fn
 
 
 HYBRID_EAGER = HybridOps(compiled=False)
