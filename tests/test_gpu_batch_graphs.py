@@ -54,19 +54,27 @@ def decode(engine: BatchEngine, requests, budget: TreeShape) -> list[list[int]]:
     return decode_rows(engine, requests, [budget] * len(requests), 3, after_round=free_rows_stay_at_0)
 
 
-@pytest.mark.parametrize("budget", BUDGETS, ids=str)
-def test_graph_rounds_equal_solo_runs_float32(pair, budget):
+def graph_rounds_against_solo(pair, budget, max_nodes: int, seed: int) -> BatchEngine:
+    """Decode cases(seed) on a float32 batched engine with graphs (4 rows, trees of up to max_nodes)
+    and assert each row's tokens equal its solo eager run -> the engine, for more checks."""
     target, draft = pair
     solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
     batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
-    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=65)
-    assert engine.use_graphs and engine.pad_rows
-    requests = cases(seed=1)
+    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=max_nodes)
+    assert engine.use_graphs
+    requests = cases(seed=seed)
     got = decode(engine, requests, budget)
     assert engine.rounds.front_graphs and engine.rounds.back_graphs, "no graph was captured"
-    assert {rows for rows, _ in engine.rounds.buffers} >= {4, 2}
     for tokens, (prompt, params) in zip(got, requests):
         assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, (budget, prompt[:8])
+    return engine
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+def test_graph_rounds_equal_solo_runs_float32(pair, budget):
+    engine = graph_rounds_against_solo(pair, budget, max_nodes=65, seed=1)
+    assert engine.pad_rows
+    assert {rows for rows, _ in engine.rounds.buffers} >= {4, 2}
 
 
 def test_graph_rounds_equal_eager_rounds_bf16(pair):
@@ -117,13 +125,5 @@ def hybrid_pair(tmp_path_factory):
 def test_hybrid_graph_rounds_equal_solo_runs_float32(hybrid_pair, budget):
     """A hybrid target's batched graph rounds (each row's recurrent layers from its own state, the
     Triton tree and fold kernels, the back's warm-up folding nothing) equal each row's solo run."""
-    target, draft = hybrid_pair
-    solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
-    batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
-    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=17)
-    assert engine.hybrid and engine.use_graphs
-    requests = cases(seed=4)
-    got = decode(engine, requests, budget)
-    assert engine.rounds.front_graphs and engine.rounds.back_graphs
-    for tokens, (prompt, params) in zip(got, requests):
-        assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, (budget, prompt[:8])
+    engine = graph_rounds_against_solo(hybrid_pair, budget, max_nodes=17, seed=4)
+    assert engine.hybrid
