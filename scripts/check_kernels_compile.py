@@ -97,6 +97,8 @@ def compile_launches(path: Path, arch: int) -> int:
     for launch in json.loads(path.read_text()):
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         constexprs = launch["constexprs"]
+        if "LOOP_WHILE" in constexprs:  # the interpreter's loops; a GPU launch takes `range` loops
+            constexprs = constexprs | {"LOOP_WHILE": False}
         signature = launch["signature"] | {name: "constexpr" for name in constexprs}
         name = f"{launch['module']}.{launch['kernel']} {constexprs} {launch['options']}"
         try:

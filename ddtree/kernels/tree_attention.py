@@ -32,6 +32,11 @@ combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us 
 (benchmarks/README.md).
 
 Exact attention (online softmax in float32); it differs from PyTorch's only in summation order.
+
+Tried and not kept: the prefix's key and value tiles through Hopper's TMA (tensor descriptors),
+with and without Triton's warp specialisation of the loop: 5-10% slower than these loads at
+Qwen3-8B heads over 32k keys (N = 17, 65, 257; attention_configs_h200_tma_8b.json), and the warp-
+specialised loop did not compile at head_dim 256.
 """
 from __future__ import annotations
 
