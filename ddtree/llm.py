@@ -80,6 +80,16 @@ class StreamEvent:
     def finished(self) -> bool:
         return self.result is not None
 
+    @staticmethod
+    def merged(events: list["StreamEvent"]) -> "StreamEvent":
+        """Consecutive events of one request as one: their tokens, text and log-probs in order, the
+        last one's result (a stream that fell behind its engine sends what has gathered at once)."""
+        if len(events) == 1:
+            return events[0]
+        logprobs = None if events[0].logprobs is None else [lp for e in events for lp in e.logprobs]
+        return StreamEvent([t for e in events for t in e.token_ids], "".join(e.text for e in events),
+                           events[-1].result, logprobs)
+
 
 class RequestProgress:
     """One request's output as its engine steps arrive: stop rules and text (`OutputBuilder`),

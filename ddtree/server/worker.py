@@ -62,23 +62,52 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    _raise_next: BaseException | None = None  # an exception found behind events already taken
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     async def next_event(self):
-        """The next StreamEvent; an exception sent by the engine thread is raised here."""
+        """The next StreamEvent: every event waiting, merged (`StreamEvent.merged`), so a stream
+        that fell behind the engine catches up in one chunk; an exception sent by the engine thread
+        is raised here, after the events sent before it."""
+        if self._raise_next is not None:
+            raise self._raise_next
         item = await self.events.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        events = [item]
+        while not self.events.empty() and events[-1].result is None:
+            more = self.events.get_nowait()
+            if isinstance(more, BaseException):
+                self._raise_next = more
+                break
+            events.append(more)
+        return type(item).merged(events)  # a StreamEvent (its module is not imported here: torch)
 
     def emit(self, item: object) -> None:
         """Called from the engine thread; a closed loop means the client is gone."""
+        emit_all([(self, item)])
+
+
+def emit_all(items: list[tuple[Job, object]]) -> None:
+    """Send each job its item from the engine thread, with one wake-up of each event loop (not one
+    per job: a batched round's events reach their streams together). A closed loop means the
+    client is gone: its jobs are cancelled."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, object]]] = {}
+    for job, item in items:
+        by_loop.setdefault(job.loop, []).append((job, item))
+    for loop, pairs in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, pairs)
         except RuntimeError:
-            self.cancel()
+            for job, _ in pairs:
+                job.cancel()
+
+
+def _put_all(pairs: list[tuple[Job, object]]) -> None:
+    for job, item in pairs:
+        job.events.put_nowait(item)
 
 
 class EngineWorker:
@@ -314,11 +343,16 @@ class EngineWorker:
                 continue
             self._progress_at = time.monotonic()
             self.metrics.record_batch_round([request.sequence.budget for request, _ in events])
+            outbox: list[tuple[Job, object]] = []
+            finished = []
             for request, event in events:
                 run = runs[id(request)][1]
-                if self._deliver(run, event):
+                if self._deliver(run, event, outbox):
                     del runs[id(request)]
-                    self._finish(run.job)
+                    finished.append(run.job)
+            emit_all(outbox)  # the round's events, one wake-up of the event loop for all of them
+            for job in finished:
+                self._finish(job)
             for key, (request, run) in list(runs.items()):
                 if run.job.cancelled.is_set():
                     batch.cancel(request)
@@ -346,15 +380,19 @@ class EngineWorker:
         else:
             runs[id(request)] = (request, run)
 
-    def _deliver(self, run: "JobRun", event) -> bool:
-        """Send an event to its job -> whether it was the last (the job's metrics recorded first, so
-        that a client that has its answer sees them)."""
+    def _deliver(self, run: "JobRun", event, outbox: list | None = None) -> bool:
+        """Send an event to its job (or, with `outbox`, add it there for `emit_all`) -> whether it
+        was the last (the job's metrics recorded first, so that a client that has its answer sees
+        them)."""
         run.saw(event)
         if event.result is not None:
             stats = event.result.stats
             self._record(run.job, stats.acceptance_lengths, stats.budget_rounds, len(event.result.token_ids),
                          event.result.finish_reason, run.first_token_at, run.last_token_at)
-        run.job.emit(event)
+        if outbox is None:
+            run.job.emit(event)
+        else:
+            outbox.append((run.job, event))
         return event.result is not None
 
     def _record_abort(self, run: "JobRun", budget_rounds: dict[str, int] | None = None) -> None:
