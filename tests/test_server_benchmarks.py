@@ -1,0 +1,28 @@
+"""benchmarks/server_first_token.py at a tiny scale on the CPU: its marks still sit on the request's
+path (a refactor that moves them fails here), every stage is reached by every request, in order,
+and before the client's first token."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from server_process import free_port, quiet_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_server_first_token_reaches_every_stage_in_order(tmp_path):
+    from benchmarks.server_first_token import STAGES
+
+    out = tmp_path / "first_token.json"
+    cmd = [sys.executable, "-m", "benchmarks.server_first_token", str(out), "--requests", "4", "--warmup", "1",
+           "--port", str(free_port())]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["requests_with_every_stage"] == 4
+    times = [result["stages_ms"][stage] for stage in STAGES]
+    assert times == sorted(times) and 0 < times[0]
+    assert times[-1] < result["client_ttft_ms"]
