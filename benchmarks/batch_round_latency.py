@@ -18,10 +18,17 @@ rows that draft (`benchmarks/round_latency.py`'s terms).
 Random weights accept nothing, so the choice is made from acceptance lengths given on the command
 line (default: the demo pair's on the H200 at T = 0, `adaptive_by_temperature_h200.json`: 4.15 at
 16, 4.86 at 64); `ar` commits one token a round.
+
+`--profile` then runs three more rounds of each cell under torch.profiler: each cell gains the
+device's busy time per round (the sum of its kernels; on the CPU, of the operators' own time) and
+its launches per round beside the round's wall time, and the kernels that took the most time with
+their launches per round. A round whose wall time is far above its busy time is bound by the
+host; launches that grow with the rows are work done row by row.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 
@@ -31,7 +38,7 @@ from ddtree.batch_budget import WINDOW, BatchBudget, BatchRow
 from ddtree.batch_engine import BatchEngine
 from ddtree.bench.machine import git_revision, machine_info
 from ddtree.config import parse_tree_budget
-from ddtree.round_costs import measure_round_costs
+from ddtree.round_costs import dummy_rows, measure_round_costs
 from ddtree.temperature_buckets import GREEDY
 
 
@@ -102,6 +109,33 @@ def chosen(costs, block_size: int, candidates, acceptance: dict, rows: int, cont
     return ",".join(sorted({str(b) for b in picks}))
 
 
+def profile_rounds(engine: BatchEngine, budget, rows: int, context: int, rounds: int = 3, top: int = 25) -> dict:
+    """`rounds` rounds of `rows` dummy rows at `budget` (after an untimed one) under torch.profiler ->
+    the device's busy ms and launches per round, and the `top` kernels by time (on the CPU: the
+    operators, by their own time)."""
+    cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else [torch.profiler.ProfilerActivity.CPU]
+    with torch.inference_mode(), dummy_rows(engine, rows, budget, context):
+        engine.step()  # untimed: graphs are captured here
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(rounds):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+    totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        totals[event.name] += event.device_time if cuda else event.self_cpu_time_total
+        counts[event.name] += 1
+    return {"busy_ms": sum(totals.values()) / rounds / 1000, "launches": sum(counts.values()) / rounds,
+            "kernels": [{"name": name[:160], "us_per_round": round(us / rounds, 1), "per_round": counts[name] / rounds}
+                        for name, us in totals.most_common(top)]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("output")
@@ -113,6 +147,7 @@ def main() -> None:
                     help="mean acceptance length per drafting budget, for the choice (budget=length,...)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eager", action="store_true", help="run the rounds eagerly, without CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="profile each cell's rounds (kernels, busy time)")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -140,6 +175,11 @@ def main() -> None:
         cells.append({"rows": point.rows, "tree_budget": point.budget, "tokens_per_row": point.tokens_per_row,
                       "context": point.context, "round_ms": point.seconds * 1000, "floor_ms": floor,
                       "ratio_to_floor": point.seconds * 1000 / floor})
+    if args.profile:
+        for cell in cells:
+            cell["profile"] = profile_rounds(engine, parse_tree_budget(cell["tree_budget"]), cell["rows"], cell["context"])
+            print(f"rows {cell['rows']:3d}  {cell['tree_budget']:>5}  busy {cell['profile']['busy_ms']:8.2f} ms  "
+                  f"{cell['profile']['launches']:6.0f} launches a round", flush=True)
     picks = {rows: chosen(costs, block, tuple(budgets), acceptance, rows, args.context) for rows in rows_list}
     for cell in cells:
         print(f"rows {cell['rows']:3d}  {cell['tree_budget']:>5}  round {cell['round_ms']:8.2f} ms  "
@@ -148,7 +188,8 @@ def main() -> None:
     result = {"benchmark": "batch_round_latency",
               "command": "python -m benchmarks.batch_round_latency " + " ".join(
                   [args.output] + [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                   if k not in ("output", "eager")] + (["--eager"] if args.eager else [])),
+                                   if k not in ("output", "eager", "profile")]
+                  + (["--eager"] if args.eager else []) + (["--profile"] if args.profile else [])),
               "machine": {**machine_info(device), "python": platform.python_version()},
               "git_revision": git_revision(), "shape": args.shape, "graphs": engine.use_graphs, "ceilings": ceilings,
               "acceptance": {str(k): v for k, v in acceptance.items()}, "cells": cells,

@@ -22,10 +22,11 @@ at one context); `ddtree tune` stores a table in its tune file (`to_json` / `fro
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from ddtree.config import SamplingParams
 from ddtree.tree_shape import TreeShape
@@ -130,28 +131,38 @@ def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None
     longest = engine.max_model_len - 2 * block - 1
     if longest < 1:
         raise ValueError(f"a context limit of {engine.max_model_len} tokens leaves no room to time rounds")
-    params = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
-    vocab = engine.target.config.vocab_size
-    feeds = engine.drafter is not None  # as a row whose budget the batch chooses
     points = []
     for context in sorted({min(c, longest) for c in contexts}):
         for count in rows:
             for budget in budgets:
-                seqs = [engine.add(_dummy_prompt(context, i, vocab), params, budget, feeds)[0] for i in range(count)]
-                try:
+                with dummy_rows(engine, count, budget, context) as seqs:
                     times = []
                     while len(times) <= rounds and max(s.n for s in seqs) + block <= engine.max_model_len:
                         start = time.perf_counter()
                         engine.step()
                         times.append(time.perf_counter() - start)
-                finally:
-                    for seq in seqs:
-                        engine.remove(seq)
                 points.append(RoundCost(context, count, budget.label, budget.nodes(engine.block_size),
                                         statistics.median(times[1:])))
                 if log is not None:
                     log(f"round cost: context {context}, {count} rows at {budget}: {points[-1].seconds * 1000:.1f} ms")
     return RoundCostTable(points)
+
+
+@contextlib.contextmanager
+def dummy_rows(engine, count: int, budget: TreeShape, context: int) -> Iterator[list]:
+    """`count` greedy sequences of `context` dummy tokens at `budget` in `engine` (a `BatchEngine`),
+    removed on exit -> their `Sequence`s. Each feeds the drafter, as a row whose budget the batch
+    chooses does."""
+    params = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
+    vocab = engine.target.config.vocab_size
+    seqs = []
+    try:
+        for i in range(count):
+            seqs.append(engine.add(_dummy_prompt(context, i, vocab), params, budget, engine.drafter is not None)[0])
+        yield seqs
+    finally:
+        for seq in seqs:
+            engine.remove(seq)
 
 
 def _dummy_prompt(length: int, row: int, vocab: int) -> list[int]:

@@ -1,7 +1,8 @@
 """benchmarks/batch_budgets.py and batch_budgets_adaptive.py at a tiny scale on the CPU: every
 (budget, rows) cell is written, and a budget's acceptance is the same one request at a time and
 batched (each request decodes the same tokens with the same trees, whoever shares its rounds);
-every adaptive and fixed mode is written with the budgets its rounds ran."""
+every adaptive and fixed mode is written with the budgets its rounds ran; batch_round_latency.py
+writes every cell, the choice, and with --profile each cell's busy time and operators."""
 from __future__ import annotations
 
 import json
@@ -50,7 +51,7 @@ def test_batch_budgets_adaptive_writes_every_mode_with_the_budgets_chosen(tmp_pa
 def test_batch_round_latency_writes_every_cell_and_the_choice(tmp_path):
     out = tmp_path / "rounds.json"
     cmd = [sys.executable, "-m", "benchmarks.batch_round_latency", str(out), "--shape", "demo", "--rows", "1,2",
-           "--budgets", "ar,16", "--context", "24", "--device", "cpu"]
+           "--budgets", "ar,16", "--context", "24", "--device", "cpu", "--profile"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -58,5 +59,10 @@ def test_batch_round_latency_writes_every_cell_and_the_choice(tmp_path):
     assert set(cells) == {(r, b) for r in (1, 2) for b in ("ar", "16")}
     assert all(c["round_ms"] > 0 and c["floor_ms"] > 0 and c["context"] == 24 for c in cells.values())
     assert cells[(1, "16")]["tokens_per_row"] == 17 and cells[(2, "ar")]["tokens_per_row"] == 1
+    for cell in cells.values():  # --profile: the busy time and operators of each cell's rounds
+        profile = cell["profile"]
+        assert 0 < profile["busy_ms"] and profile["launches"] > 0 and profile["kernels"]
+        assert sum(k["us_per_round"] for k in profile["kernels"]) <= profile["busy_ms"] * 1000 + 1
+    assert cells[(1, "16")]["profile"]["launches"] > cells[(1, "ar")]["profile"]["launches"]
     assert cells[(2, "16")]["floor_ms"] > cells[(1, "16")]["floor_ms"] > cells[(1, "ar")]["floor_ms"]
     assert set(result["chosen"]) == {"1", "2"} and set(result["chosen"].values()) <= {"ar", "16"}
