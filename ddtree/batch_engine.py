@@ -128,7 +128,8 @@ class BatchEngine:
             mask = torch.full((self.block_size,), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
             with torch.no_grad():  # the block's b - 1 mask tokens, which never change (as `Engine`)
                 self.draft_noise = target.embed_tokens(mask) * drafter.config.input_embedding_scale
-        self.walk_fn = walk  # the acceptance rule (as `Engine.walk_fn`: tests replace it)
+        # The acceptance rule (as `Engine.walk_fn`: tests replace it), on one tree or stacked rows' trees.
+        self.walk_fn = walk
         self.max_rows = max_rows
         self.sequences: list[Sequence] = []
         # Per cache row, on the device: the committed length, the next root token and whether a

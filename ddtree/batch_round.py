@@ -92,8 +92,9 @@ class RowBuffers:
         self.valid[row].copy_(tree.valid)
         self.visible[row].copy_(tree.visible)
 
-    def tree(self, row: int) -> Tree:
-        return Tree(self.tokens[row], self.parents[row], self.depths[row], self.valid[row], self.visible[row])
+    def trees(self) -> Tree:
+        """Every row's tree, stacked ([R, M] and [R, M, M])."""
+        return Tree(self.tokens, self.parents, self.depths, self.valid, self.visible)
 
 
 class UniformRounds:
@@ -235,16 +236,13 @@ class UniformRounds:
                 for i in range(r):
                     e.commit_row(i, bufs.first_slots[i] + n[i], bufs.offsets[:1], torch.where(live[i], 1, 0), 1)
         else:
-            lengths, bonuses = [], []
+            result = e.walk_fn(bufs.trees(), choices)  # every row's walk at once
+            length, bonus = result.length, result.bonus
+            bufs.path.copy_(result.order[:, :bufs.keep])
+            # A padding row (and every row in a capture's warm-up) commits nothing to a recurrent state.
+            committed = torch.where(live, length, 0)
             for i in range(r):
-                result = e.walk_fn(bufs.tree(i), choices[i])
-                kept = result.order[:bufs.keep]
-                bufs.path[i].copy_(kept)
-                # A padding row (and every row in a capture's warm-up) commits nothing to a recurrent state.
-                e.commit_row(i, bufs.first_slots[i] + n[i], kept, torch.where(live[i], result.length, 0), bufs.size)
-                lengths.append(result.length)
-                bonuses.append(result.bonus)
-            length, bonus = torch.stack(lengths), torch.stack(bonuses)
+                e.commit_row(i, bufs.first_slots[i] + n[i], bufs.path[i], committed[i], bufs.size)
         if feeds:  # every row's kept nodes (an `ar` round's one node) become its drafter context
             local = n[:, None] + bufs.keep_offsets
             nodes = (bufs.row_starts[:, None] + bufs.path).reshape(-1)

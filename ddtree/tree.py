@@ -22,7 +22,8 @@ from ddtree.kernels.tree_attention import prefix_block_mask
 
 @dataclass
 class Tree:
-    """tokens, parents, depths, valid: [N]; visible: [N, N] (row i: the ancestors of i and i itself)."""
+    """tokens, parents, depths, valid: [N]; visible: [N, N] (row i: the ancestors of i and i itself).
+    The trees of R batch rows at one size stack as [R, N] and [R, N, N] (`walk` takes them)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -32,7 +33,7 @@ class Tree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.tokens.shape[-1]
 
 
 def order_keys(values: torch.Tensor, index_bits: int) -> torch.Tensor:
@@ -156,7 +157,8 @@ def context_tree_mask(n: torch.Tensor, visible: torch.Tensor, kv_len: int) -> to
 @dataclass
 class Walk:
     """accepted [N] bool; order [N]: accepted nodes first, in depth order; length: [] number accepted
-    (root included = the round's acceptance length); bonus: [] the target's choice after the last one."""
+    (root included = the round's acceptance length); bonus: [] the target's choice after the last one.
+    For R stacked trees each field gains a leading [R]."""
 
     accepted: torch.Tensor
     order: torch.Tensor
@@ -165,20 +167,21 @@ class Walk:
 
 
 def walk(tree: Tree, choices: torch.Tensor) -> Walk:
-    """Follow the target's choices from the root. choices [N]: the target's token at every node.
+    """Follow the target's choices from the root. choices [N]: the target's token at every node
+    (or [R, N] for R stacked trees [R, N], walked together: the rows of a batched round).
 
     A node is accepted when its token equals the choice at its parent and its parent is accepted;
     siblings carry distinct tokens, so the accepted nodes form one path.
     """
-    parent_choice = choices[tree.parents.clamp(min=0)]
-    is_root = torch.arange(tree.size, device=choices.device) == 0
-    match = ((tree.tokens == parent_choice) & tree.valid) | is_root
-    accepted = ~(tree.visible & ~match[None, :]).any(dim=1)
+    nodes = torch.arange(tree.size, device=choices.device)
+    parent_choice = choices.gather(-1, tree.parents.clamp(min=0))
+    match = ((tree.tokens == parent_choice) & tree.valid) | (nodes == 0)
+    accepted = ~(tree.visible & ~match[..., None, :]).any(dim=-1)
     taken = accepted.long()
-    length = taken.sum()
+    length = taken.sum(-1)
     # Accepted nodes first, in index (= depth) order, then the rest: a stable partition by cumsum.
-    slot = torch.where(accepted, taken.cumsum(0) - 1, length + (1 - taken).cumsum(0) - 1)
-    order = torch.empty_like(slot).scatter_(0, slot, torch.arange(tree.size, device=slot.device))
+    slot = torch.where(accepted, taken.cumsum(-1) - 1, length[..., None] + (1 - taken).cumsum(-1) - 1)
+    order = torch.empty_like(slot).scatter_(-1, slot, nodes.expand_as(slot))
     # gather, not order[length - 1]: indexing with a 0-d tensor would copy it to the host.
-    last = order.gather(0, (length - 1).reshape(1))
-    return Walk(accepted, order, length, choices.gather(0, last)[0])
+    last = order.gather(-1, (length - 1)[..., None])
+    return Walk(accepted, order, length, choices.gather(-1, last)[..., 0])

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree.kv_cache import KVCache
-from ddtree.tree import ancestor_mask, build_chain, build_tree, context_tree_mask, single_node, walk
+from ddtree.tree import Tree, ancestor_mask, build_chain, build_tree, context_tree_mask, single_node, walk
 
 NEG_INF = float("-inf")
 
@@ -305,6 +305,31 @@ def test_walk_chain_stops_at_first_mismatch():
     assert int(result.length) == 3 and result.order[:3].tolist() == [0, 1, 2] and int(result.bonus) == 1
     full = walk(chain, torch.tensor([5, 6, 7, 3]))
     assert int(full.length) == 4 and int(full.bonus) == 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(logp=logp_tables(max_depth=4, max_vocab=3), budget=st.integers(1, 12), rows=st.integers(1, 4),
+       data=st.data())
+def test_walk_of_stacked_trees_equals_each_tree_alone(logp, budget, rows, data):
+    """A batched round walks its rows' trees (one size, stacked [R, N]) in one call: row by row,
+    the same walk as each tree alone, whatever the other rows choose."""
+    vocab = logp.shape[1]
+    trees, choices = [], []
+    for r in range(rows):
+        root = torch.tensor(data.draw(st.integers(0, vocab - 1)))
+        trees.append(build_tree(torch.from_numpy(logp) + 0.01 * r, root, budget))
+        choices.append(torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=trees[-1].size,
+                                                        max_size=trees[-1].size))))
+    if len({t.size for t in trees}) > 1:  # stacked rows share one size (a fixed-shape round's)
+        return
+    stacked = Tree(*(torch.stack([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depths", "valid",
+                                                                              "visible")))
+    together = walk(stacked, torch.stack(choices))
+    assert together.order.shape == (rows, trees[0].size) and together.length.shape == (rows,)
+    for r, (tree, chosen) in enumerate(zip(trees, choices)):
+        alone = walk(tree, chosen)
+        for field in ("accepted", "order", "length", "bonus"):
+            assert torch.equal(getattr(together, field)[r], getattr(alone, field)), (r, field)
 
 
 # -- KV compaction ---------------------------------------------------------------------------------
