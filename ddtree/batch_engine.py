@@ -459,6 +459,16 @@ class BatchEngine:
         row's stash); none for a dense target."""
         return dict(parents=parents, depths=depths, scratch=self.row_scratch[row]) if self.hybrid else {}
 
+    def commit_rows(self, starts: torch.Tensor, kept: torch.Tensor, lengths: torch.Tensor, nodes: int) -> None:
+        """`commit_row` for cache rows 0..R-1 at once: starts [R] (each row's first slot plus n),
+        kept [R, K], lengths [R] (0 on padding rows). A dense target's rows are one compaction;
+        a hybrid's recurrent states go row by row."""
+        if self.hybrid:
+            for row in range(kept.shape[0]):
+                self.commit_row(row, starts[row], kept[row], lengths[row], nodes)
+        elif nodes > 1:  # one node's entries are already in place at slot n
+            self.kv.compact(starts, kept)
+
     def commit_row(self, row: int, start, kept: torch.Tensor, length, nodes: int) -> None:
         """After a row's walk: its kept nodes' KV entries into place from slot `start` (its first
         slot plus n) and, for a hybrid target, its recurrent state advanced by the path's `length`

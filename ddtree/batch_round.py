@@ -106,7 +106,7 @@ class UniformRounds:
         self.use_graphs = use_graphs
         self.fused_tree = fused_tree
         self.buffers: dict[tuple[int, TreeShape], RowBuffers] = {}
-        self.tree_plans: dict[TreeShape, object] = {}  # one per budget: its row buckets build one row at a time
+        self.tree_plans: dict[TreeShape, object] = {}  # one per budget, for every row bucket
         self.front_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.back_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -194,12 +194,11 @@ class UniformRounds:
             return
         logp = F.log_softmax(logits, dim=-1)
         plan = self.tree_plans.get(budget)
+        if plan is not None:  # every row's tree in the plan's four launches
+            plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
+            return
         for i in range(bufs.rows):
-            if plan is not None:
-                plan.build(logp[i], root[i], bufs.tokens[i], bufs.parents[i], bufs.depths[i], bufs.valid[i],
-                           bufs.visible[i])
-            else:
-                bufs.store(i, build_tree(logp[i], root[i], budget.budget))
+            bufs.store(i, build_tree(logp[i], root[i], budget.budget))
 
     def _verify(self, bufs: RowBuffers, kv_len: int, feeds: bool) -> torch.Tensor:
         """The target over every row's tree, R * M tokens row after row, in one forward -> logits
@@ -233,16 +232,13 @@ class UniformRounds:
         if budget.single_node:  # one node, whose entries the verify wrote at slot n: nothing to walk or move
             length, bonus = bufs.ones, choices[:, 0]
             if e.hybrid:  # but a hybrid's recurrent layers commit it (not on padding rows)
-                for i in range(r):
-                    e.commit_row(i, bufs.first_slots[i] + n[i], bufs.offsets[:1], torch.where(live[i], 1, 0), 1)
+                e.commit_rows(bufs.first_slots + n, bufs.offsets[:1].expand(r, 1), torch.where(live, 1, 0), 1)
         else:
             result = e.walk_fn(bufs.trees(), choices)  # every row's walk at once
             length, bonus = result.length, result.bonus
             bufs.path.copy_(result.order[:, :bufs.keep])
             # A padding row (and every row in a capture's warm-up) commits nothing to a recurrent state.
-            committed = torch.where(live, length, 0)
-            for i in range(r):
-                e.commit_row(i, bufs.first_slots[i] + n[i], bufs.path[i], committed[i], bufs.size)
+            e.commit_rows(bufs.first_slots + n, bufs.path, torch.where(live, length, 0), bufs.size)
         if feeds:  # every row's kept nodes (an `ar` round's one node) become its drafter context
             local = n[:, None] + bufs.keep_offsets
             nodes = (bufs.row_starts[:, None] + bufs.path).reshape(-1)
@@ -273,7 +269,8 @@ class UniformRounds:
         if budget.builds_tree and self.fused_tree and budget not in self.tree_plans:
             from ddtree.kernels.tree_build import TreeBuildPlan  # imports Triton: only where it is used
 
-            plan = TreeBuildPlan(budget.budget, e.block_size - 1, e.target.config.vocab_size, e.device)
+            plan = TreeBuildPlan(budget.budget, e.block_size - 1, e.target.config.vocab_size, e.device,
+                                 rows=e.max_rows)
             if plan.supported:
                 self.tree_plans[budget] = plan
         self.buffers[key] = bufs

@@ -58,13 +58,16 @@ class KVCache:
         """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.
 
         `order` [M] lists the kept tree nodes first (in depth order); entries after them are
-        don't-care. Gathering before writing makes overlapping moves safe. On CUDA one Triton
-        launch for all layers (`kernels.kv_write.compact_kv`).
+        don't-care. Or many spans at once (a batch's rows, which do not overlap): start [R],
+        order [R, M]. Gathering before writing makes overlapping moves safe. On CUDA one Triton
+        launch for all layers and spans (`kernels.kv_write.compact_kv`).
         """
         if order.is_cuda and isinstance(start, torch.Tensor) and kv_write.supported(self.k, self.k):
             kv_write.compact_kv(self.k, self.v, start, order)
             return
-        src = order + start
-        dst = torch.arange(order.shape[0], device=order.device) + start
+        if order.dim() == 2:
+            start = torch.as_tensor(start, device=order.device)[:, None]
+        src = (order + start).reshape(-1)
+        dst = (torch.arange(order.shape[-1], device=order.device) + start).reshape(-1)
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))

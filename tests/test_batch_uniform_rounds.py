@@ -237,3 +237,26 @@ def test_graphs_captured_ahead_serve_every_round_and_change_no_tokens(llm, monke
             assert tokens == solo(llm, prompt, sampling, budget), (budget, prompt)
     assert set(engine.rounds.front_graphs) == fronts and set(engine.rounds.back_graphs) == backs
     assert engine.capture_all([AR, B8]) == 0  # nothing left to capture
+
+
+def test_tree_kernels_build_every_row_at_once_and_equal_solo_runs(sliding_llm, monkeypatch):
+    """With the tree build's kernels (`fused_tree`; Triton's interpreter here) a round builds every
+    row's tree in one `TreeBuildPlan.build` (padding rows included), and each row's tokens equal
+    its solo run."""
+    from ddtree.kernels.tree_build import TreeBuildPlan
+
+    llm = sliding_llm
+    builds = []
+    build = TreeBuildPlan.build
+    monkeypatch.setattr(TreeBuildPlan, "build", lambda self, logp, *a: (builds.append(logp.shape[0]),
+                                                                         build(self, logp, *a)))
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21]]
+    cases = [(p, params(max_tokens=4)) for p in prompts]
+    engine = BatchEngine(llm.target, llm.drafter, 64, max_rows=4, max_nodes=9, pad_rows=True, fused_tree=True)
+    counted = Counted(engine, monkeypatch)
+    monkeypatch.setattr(llm, "encode", lambda ids: ids)  # the prompts are token ids already
+    got = decode(engine, llm, cases, B8)
+    assert engine.rounds.tree_plans[B8].rows == 4
+    assert len(builds) == counted.uniform > 0 and builds[0] == 4  # one build a round, of every row
+    for tokens, (prompt, sampling) in zip(got, cases):
+        assert tokens == solo(llm, prompt, sampling, B8), prompt

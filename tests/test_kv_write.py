@@ -122,6 +122,31 @@ def test_compact_equals_gather_then_write(layers, slots, hkv, d, seed):
         assert torch.equal(cache[0], expected[0]) and torch.equal(cache[1], expected[1]), (trial, keep.tolist())
 
 
+@pytest.mark.parametrize("on_cache", [False, True], ids=["kernel", "cache"])
+def test_compact_of_many_spans_equals_each_span_alone(on_cache):
+    """A batched round's rows compacted at once (start [R], order [R, M]; spans that do not
+    overlap): the same as compacting each row's span alone, through the kernel or `KVCache.compact`
+    (the kernel on CUDA, index_select + index_copy_ elsewhere)."""
+    gen = torch.Generator().manual_seed(7)
+    layers, hkv, d, rows, m = 2, 2, 16, 3, 9
+    starts = torch.tensor([4, 40, 77])
+    orders = torch.stack([torch.randperm(m, generator=gen) for _ in range(rows)])
+    cache = torch.randn(2, layers, 100, hkv, d, generator=gen).to(DEVICE)
+    expected = cache.clone()
+    for r in range(rows):
+        expected = torch.stack([reference_compact(expected[i], int(starts[r]), orders[r].to(DEVICE)) for i in range(2)])
+    if on_cache:
+        kv = KVCache(layers=layers, slots=100, kv_heads=hkv, head_dim=d, device=DEVICE, dtype=torch.float32)
+        kv.k.copy_(cache[0])
+        kv.v.copy_(cache[1])
+        kv.compact(starts.to(DEVICE), orders.to(DEVICE))
+        got = torch.stack([kv.k, kv.v])
+    else:
+        compact_kv(cache[0], cache[1], starts.to(DEVICE), orders.to(DEVICE))
+        got = cache
+    assert torch.equal(got, expected)
+
+
 def test_cache_compact_uses_the_same_moves():
     """`KVCache.compact` (the kernel on CUDA, index_select + index_copy_ elsewhere) on a cache whose
     slots hold their own index: slot start + j ends up holding start + order[j]."""

@@ -102,6 +102,30 @@ def test_sort_selection_equals_build_tree(budget, depths, vocab, kw):
     check(budget, depths, vocab, "sort", **kw)
 
 
+def test_many_trees_in_one_build_equal_each_built_alone():
+    """A batched round's rows (`TreeBuildPlan(rows=R)`: rank over rows x depths, select and
+    visibility per tree) in one build: each row's tree is its own `build_tree`'s, whatever the
+    others hold (different draft log-probs, roots and shapes: a chain-like row and a wide one);
+    fewer trees than the plan holds, and too many are refused."""
+    budget, depths, vocab = 12, 5, 40
+    plan = TreeBuildPlan(budget, depths, vocab, DEVICE, rows=4)
+    logp = torch.stack([draft_logp(depths, vocab, seed=s, sure=sure) for s, sure in ((0, 0), (1, 4), (2, 0))])
+    roots = torch.tensor([5, 7, 11], device=DEVICE)
+    n = budget + 1
+    out = dict(tokens=torch.full((3, n), 99, dtype=torch.long, device=DEVICE),
+               parents=torch.full((3, n), 99, dtype=torch.long, device=DEVICE),
+               depths=torch.full((3, n), 99, dtype=torch.long, device=DEVICE),
+               valid=torch.zeros(3, n, dtype=torch.bool, device=DEVICE),
+               visible=torch.ones(3, n, n, dtype=torch.bool, device=DEVICE))
+    plan.build(logp, roots, **out)
+    for r in range(3):
+        ref = build_tree(logp[r], roots[r], budget)
+        for name, got in out.items():
+            assert torch.equal(got[r], getattr(ref, name)), (r, name)
+    with pytest.raises(ValueError, match="scratch holds 4"):
+        plan.build(torch.cat([logp, logp]), torch.cat([roots, roots]), **{k: torch.cat([v, v]) for k, v in out.items()})
+
+
 def test_unknown_selection_is_refused():
     with pytest.raises(ValueError, match="selection"):
         TreeBuildPlan(16, 15, 50, DEVICE, selection="heap")

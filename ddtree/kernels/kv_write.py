@@ -6,9 +6,10 @@ forward, 217 us at 257 tokens). Here one program per (new token, layer) reads it
 in place (views of the fused projection's rows) and stores them at its slot: one launch per layer
 (52 us and 58 us there, benchmarks/README.md), or one for all layers (the drafter's context).
 
-`compact_kv` moves the accepted tree nodes' entries into place in every layer at once: one launch
-for what `index_select` + `index_copy_` do in four (plus the index arithmetic), with all of a
-program's sources read before any of its writes, so overlapping moves are safe.
+`compact_kv` moves the accepted tree nodes' entries into place in every layer at once (and, for a
+batched round, in every row of the batch): one launch for what `index_select` + `index_copy_` do
+in four (plus the index arithmetic), with all of a program's sources read before any of its
+writes, so overlapping moves are safe.
 
 The results equal `index_copy_` exactly (they are copies); tests run both, on the CPU through
 Triton's interpreter.
@@ -50,33 +51,39 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, 
 def compact_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, order: torch.Tensor) -> None:
     """cache_k, cache_v [L, S, Hkv, D]; start [] long; order [M] long -> in every layer, slot
     start + j takes what slot start + order[j] held, for j < M (the same as gathering all
-    sources first, then writing)."""
+    sources first, then writing). Many spans at once: start [R], order [R, M], each span r
+    moved within slots start[r] .. start[r] + M - 1 (spans that do not overlap: a batch's rows)."""
     layers, _, hkv, d = cache_k.shape
-    m = order.shape[0]
+    spans, m = (1, order.shape[0]) if order.dim() == 1 else order.shape
     row = hkv * d
     mp = triton.next_power_of_2(m)
     cols = min(triton.next_power_of_2(row), max(16, 8192 // mp))  # a program holds [mp, cols] entries
-    grid = (layers, 2, triton.cdiv(row, cols))
-    _compact_kv[grid](cache_k, cache_v, start, order, cache_k.stride(0), cache_k.stride(1), row, m,
-                      MP=mp, COLS=cols, num_warps=4)
+    col_blocks = triton.cdiv(row, cols)
+    grid = (layers, 2, spans * col_blocks)
+    _compact_kv[grid](cache_k, cache_v, start, order.contiguous(), cache_k.stride(0), cache_k.stride(1), row, m,
+                      col_blocks, MP=mp, COLS=cols, num_warps=4)
 
 
 if triton is not None:
 
     @triton.jit
-    def _compact_kv(ck_ptr, cv_ptr, start_ptr, order_ptr, s_l, s_t, row, m, MP: tl.constexpr, COLS: tl.constexpr):
-        """Program (layer, k or v, column block): rows start + order[j] -> rows start + j, j < m."""
+    def _compact_kv(ck_ptr, cv_ptr, start_ptr, order_ptr, s_l, s_t, row, m, col_blocks, MP: tl.constexpr,
+                    COLS: tl.constexpr):
+        """Program (layer, k or v, (span, column block)): span r's rows start[r] + order[r, j] ->
+        rows start[r] + j, j < m."""
         base = tl.program_id(0).to(tl.int64) * s_l
+        span = tl.program_id(2) // col_blocks
+        block = tl.program_id(2) % col_blocks
         if tl.program_id(1) == 0:
-            _move_rows(ck_ptr + base, start_ptr, order_ptr, s_t, row, m, MP, COLS)
+            _move_rows(ck_ptr + base, start_ptr + span, order_ptr + span * m, block, s_t, row, m, MP, COLS)
         else:
-            _move_rows(cv_ptr + base, start_ptr, order_ptr, s_t, row, m, MP, COLS)
+            _move_rows(cv_ptr + base, start_ptr + span, order_ptr + span * m, block, s_t, row, m, MP, COLS)
 
     @triton.jit
-    def _move_rows(ptr, start_ptr, order_ptr, s_t, row, m, MP: tl.constexpr, COLS: tl.constexpr):
+    def _move_rows(ptr, start_ptr, order_ptr, block, s_t, row, m, MP: tl.constexpr, COLS: tl.constexpr):
         """Reads all of the program's sources, then (after a block barrier) writes: programs touch
-        disjoint columns, so no write can land before a read of the same entry."""
-        c = tl.program_id(2) * COLS + tl.arange(0, COLS)
+        disjoint columns (or spans), so no write can land before a read of the same entry."""
+        c = block * COLS + tl.arange(0, COLS)
         j = tl.arange(0, MP)
         live = (j < m)[:, None] & (c < row)[None, :]
         start = tl.load(start_ptr)

@@ -5,7 +5,7 @@ over B x B candidates each time); on a small target that is most of a round. Her
 
 - rank (grid: depths x vocab chunks, then depths): the best K = min(B, V) tokens of each depth,
   ties by token id: the best of unique int64 keys per chunk, then of the chunks' heads;
-- select (one program): the level-by-level top-B of `build_tree`, then the global top-B, node
+- select (one program per tree): the level-by-level top-B of `build_tree`, then the global top-B, node
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
   many candidates beat or tie it with a smaller position), so each level takes the top B of ~B ln B
@@ -15,6 +15,9 @@ over B x B candidates each time); on a small target that is most of a round. Her
   0), so when it falls below the running B-th best, that level and every deeper one (a child
   never beats its parent) are skipped: a shallow tree builds only the levels it has;
 - visibility (grid: row blocks): each row's ancestors, by following parent pointers.
+
+A batched round builds every row's tree in the same four launches: the rank grids run over rows x
+depths, select and visibility gain a row axis (`TreeBuildPlan(rows=R)`).
 
 The output equals `build_tree` exactly (tests run both on random and tie-heavy inputs, on the GPU
 and, through Triton's interpreter, on the CPU). Keys are the same as `ddtree.tree.order_keys`:
@@ -48,18 +51,20 @@ def candidates(budget: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TreeBuildPlan:
-    """Static shapes and scratch of one (budget, depth count, vocabulary) on one device."""
+    """Static shapes and scratch of one (budget, depth count, vocabulary) on one device, for up to
+    `rows` trees at once."""
 
     def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "topk",
-                 rank_warps: int = 8, select_warps: int | None = None):
+                 rank_warps: int = 8, select_warps: int | None = None, rows: int = 1):
         """selection: "topk" (`tl.topk`, the default: 1.3-2.9x faster than "sort" on an H200 at
         budgets 16-256, benchmarks/README.md) or "sort" (a full bitonic sort per selection, kept as
         a cross-check). benchmarks/tree_build.py times both; both give the same tree.
         rank_warps / select_warps: warps per program of the rank kernels and of select (None:
-        by select's largest block); benchmarks/tree_build.py --rank-warps / --select-warps times them."""
+        by select's largest block); benchmarks/tree_build.py --rank-warps / --select-warps times them.
+        rows: the most trees one `build` makes (a batched round's rows); the scratch is sized for them."""
         if selection not in ("sort", "topk"):
             raise ValueError(f"selection must be 'sort' or 'topk', got {selection!r}")
-        self.budget, self.depth_count, self.vocab = budget, depth_count, vocab
+        self.budget, self.depth_count, self.vocab, self.rows = budget, depth_count, vocab, rows
         self.topk = selection == "topk"
         self.k = min(budget, vocab)
         self.kp = max(2, _pow2(self.k))  # block sizes >= 2: `tl.topk` cannot reduce to one element
@@ -77,17 +82,18 @@ class TreeBuildPlan:
         self.rank_warps = rank_warps
         d, b = depth_count, budget
         self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
-        self.heads = torch.empty(d, self.chunks, self.kp, dtype=torch.int64, device=device)
-        self.ranked_logp = torch.empty(d, self.k, dtype=torch.float32, device=device)
-        self.ranked_tok = torch.empty(d, self.k, dtype=torch.int64, device=device)
-        self.level_parent = torch.empty(d, b, dtype=torch.int32, device=device)
-        self.level_rank = torch.empty(d, b, dtype=torch.int32, device=device)
-        self.node_of = torch.empty(d, b, dtype=torch.int32, device=device)
+        self.heads = torch.empty(rows * d, self.chunks, self.kp, dtype=torch.int64, device=device)
+        self.ranked_logp = torch.empty(rows * d, self.k, dtype=torch.float32, device=device)
+        self.ranked_tok = torch.empty(rows * d, self.k, dtype=torch.int64, device=device)
+        self.level_parent = torch.empty(rows, d, b, dtype=torch.int32, device=device)
+        self.level_rank = torch.empty(rows, d, b, dtype=torch.int32, device=device)
+        self.node_of = torch.empty(rows, d, b, dtype=torch.int32, device=device)
 
     def build(self, logp: torch.Tensor, root: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
               depths: torch.Tensor, valid: torch.Tensor, visible: torch.Tensor) -> None:
         """logp [D, V] float32, root [] long -> writes tokens/parents/depths [N] long, valid [N] bool,
-        visible [N, N] bool (N = B + 1) exactly as `build_tree` would return them."""
+        visible [N, N] bool (N = B + 1) exactly as `build_tree` would return them. R trees at once
+        (R <= rows): logp [R, D, V], root [R], and the outputs [R, N] and [R, N, N] (contiguous)."""
         for _, launch in self.launches(logp, root, tokens, parents, depths, valid, visible):
             launch()
 
@@ -95,22 +101,25 @@ class TreeBuildPlan:
         """The build's four kernel launches in order, as (name, zero-argument function): `build`
         runs them; benchmarks/tree_build.py times each one alone."""
         d, v, b = self.depth_count, self.vocab, self.budget
+        trees = logp.shape[0] if logp.dim() == 3 else 1
+        if trees > self.rows:
+            raise ValueError(f"{trees} trees at once, but this plan's scratch holds {self.rows}")
         logp = logp.contiguous()
         n = b + 1
-        rows = 8
+        block_rows = 8
 
-        def rank_chunks():
-            _rank_chunks[(d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
+        def rank_chunks():  # rows x depths as one axis: each (row, depth) is ranked alone
+            _rank_chunks[(trees * d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
                                            CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
                                            num_warps=self.rank_warps)
 
         def rank_merge():
-            _rank_merge[(d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
+            _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
                               MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
                               num_warps=self.rank_warps)
 
         def select():
-            _select[(1,)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
+            _select[(1, trees)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
                           self.level_parent, self.level_rank, self.node_of,
                           tokens, parents, depths, valid.view(torch.uint8),
                           D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
@@ -118,8 +127,8 @@ class TreeBuildPlan:
                           num_warps=self.select_warps)
 
         def write_visible():
-            _visible[(triton.cdiv(n, rows),)](parents, visible.view(torch.uint8), n, NP=_pow2(n), RB=rows,
-                                              D=d, num_warps=4)
+            _visible[(triton.cdiv(n, block_rows), trees)](parents, visible.view(torch.uint8), n, NP=_pow2(n),
+                                                          RB=block_rows, D=d, num_warps=4)
 
         return [("rank_chunks", rank_chunks), ("rank_merge", rank_merge), ("select", select),
                 ("visible", write_visible)]
@@ -194,9 +203,21 @@ if triton is not None:
                 tokens_ptr, parents_ptr, depths_ptr, valid_ptr,
                 D: tl.constexpr, K: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, C: tl.constexpr,
                 CP: tl.constexpr, IB1: tl.constexpr, IB2: tl.constexpr, TOPK: tl.constexpr):
-        """One program: levels, global top-B, node numbering. Level entry (d, r) (the level's r-th
-        best) has global position d * B + r; its parent rank and token rank go to lparent / lrank
-        [D, B], read back once at the end after a block-wide barrier (`debug_barrier`)."""
+        """One program per tree (axis 1; axis 0 is one program): levels, global top-B, node
+        numbering. Level entry (d, r) (the level's r-th best) has global position d * B + r; its
+        parent rank and token rank go to lparent / lrank [D, B], read back once at the end after a
+        block-wide barrier (`debug_barrier`)."""
+        tree = tl.program_id(1)
+        rlogp_ptr += tree * D * K
+        rtok_ptr += tree * D * K
+        root_ptr += tree
+        lparent_ptr += tree * D * B
+        lrank_ptr += tree * D * B
+        node_of_ptr += tree * D * B
+        tokens_ptr += tree * (B + 1)
+        parents_ptr += tree * (B + 1)
+        depths_ptr += tree * (B + 1)
+        valid_ptr += tree * (B + 1)
         neg_inf = float("-inf")
         r = tl.arange(0, BP)
         top = r < B
@@ -254,7 +275,9 @@ if triton is not None:
 
     @triton.jit
     def _visible(parents_ptr, visible_ptr, N, NP: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
-        """Program row block: visible[i, j] = j is i or an ancestor of i (at most D steps up)."""
+        """Program (row block, tree): visible[i, j] = j is i or an ancestor of i (at most D steps up)."""
+        parents_ptr += tl.program_id(1) * N
+        visible_ptr += tl.program_id(1) * N * N
         rows = tl.program_id(0) * RB + tl.arange(0, RB)
         cols = tl.arange(0, NP)
         inside = rows < N
