@@ -125,7 +125,7 @@ def install_marks(marks: Marks) -> None:
 def measure(args) -> dict:
     import httpx
 
-    from benchmarks.server_overhead import stream_one
+    from benchmarks.server_overhead import stream_one, wait_until_up
 
     with tempfile.TemporaryDirectory() as tmp:
         marks_path = Path(tmp) / "marks.jsonl"
@@ -135,16 +135,7 @@ def measure(args) -> dict:
         url = f"http://127.0.0.1:{args.port}"
         try:
             with httpx.Client(timeout=120) as client:
-                deadline = time.time() + 300
-                while True:
-                    try:
-                        if client.get(url + "/health").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.time() > deadline or child.poll() is not None:
-                        raise RuntimeError("the server did not come up")
-                    time.sleep(0.5)
+                wait_until_up(client, url, child)
                 runs = [stream_one(client, url, args.max_tokens) for _ in range(args.warmup + args.requests)]
         finally:
             child.terminate()

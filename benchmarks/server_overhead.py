@@ -102,6 +102,22 @@ def stream_one(client, url: str, max_tokens: int) -> dict:
     return {"ttft_s": first, "e2e_s": time.perf_counter() - start, "tokens": tokens}
 
 
+def wait_until_up(client, url: str, child: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Poll the server process `child` at url's /health with the httpx client until it answers 200."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if client.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline or child.poll() is not None:
+            raise RuntimeError("the server did not come up")
+        time.sleep(0.5)
+
+
 def measure(args) -> dict:
     import httpx
 
@@ -112,16 +128,7 @@ def measure(args) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=120) as client:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.time() > deadline or child.poll() is not None:
-                    raise RuntimeError("the server did not come up")
-                time.sleep(0.5)
+            wait_until_up(client, url, child)
             for _ in range(args.warmup):
                 stream_one(client, url, args.max_tokens)
             cpu_before, wall_before = cpu_seconds(child.pid), time.perf_counter()
