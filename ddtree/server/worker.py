@@ -2,7 +2,8 @@
 max_num_seqs above 1, up to that many together (`ddtree.batching`: jobs join between rounds).
 
 HTTP handlers run on the asyncio loop; they hand a validated `Job` to `EngineWorker.submit` and read
-the job's events from an asyncio queue that the engine thread fills. A job whose client went away is
+the job's events from an asyncio queue that the engine thread fills (a batched round's events with
+one wake-up of the loop; a handler that fell behind takes every event waiting as one). A job whose client went away is
 cancelled: the thread checks the flag after every engine step and closes the `LLM.stream` generator,
 so a disconnected request costs at most the round in progress (a batched one leaves the batch before
 the next round).
