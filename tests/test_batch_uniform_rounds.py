@@ -250,8 +250,8 @@ def test_tree_kernels_build_every_row_at_once_and_equal_solo_runs(sliding_llm, m
     build = TreeBuildPlan.build
     monkeypatch.setattr(TreeBuildPlan, "build", lambda self, logp, *a: (builds.append(logp.shape[0]),
                                                                          build(self, logp, *a)))
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21]]
-    cases = [(p, params(max_tokens=4)) for p in prompts]
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21]]  # 3 rows in a bucket of 4
+    cases = [(p, params(max_tokens=3)) for p in prompts]
     engine = BatchEngine(llm.target, llm.drafter, 64, max_rows=4, max_nodes=9, pad_rows=True, fused_tree=True)
     counted = Counted(engine, monkeypatch)
     monkeypatch.setattr(llm, "encode", lambda ids: ids)  # the prompts are token ids already
