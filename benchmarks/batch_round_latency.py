@@ -177,7 +177,8 @@ def main() -> None:
                       "ratio_to_floor": point.seconds * 1000 / floor})
     if args.profile:
         for cell in cells:
-            cell["profile"] = profile_rounds(engine, parse_tree_budget(cell["tree_budget"]), cell["rows"], cell["context"])
+            budget = parse_tree_budget(cell["tree_budget"])
+            cell["profile"] = profile_rounds(engine, budget, cell["rows"], cell["context"])
             print(f"rows {cell['rows']:3d}  {cell['tree_budget']:>5}  busy {cell['profile']['busy_ms']:8.2f} ms  "
                   f"{cell['profile']['launches']:6.0f} launches a round", flush=True)
     picks = {rows: chosen(costs, block, tuple(budgets), acceptance, rows, args.context) for rows in rows_list}

@@ -110,21 +110,21 @@ class TreeBuildPlan:
 
         def rank_chunks():  # rows x depths as one axis: each (row, depth) is ranked alone
             _rank_chunks[(trees * d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
-                                           CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
-                                           num_warps=self.rank_warps)
+                                                   CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
+                                                   num_warps=self.rank_warps)
 
         def rank_merge():
-            _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k, KP=self.kp,
-                              MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
-                              num_warps=self.rank_warps)
+            _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
+                                      KP=self.kp, MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v),
+                                      TOPK=self.topk, num_warps=self.rank_warps)
 
         def select():
             _select[(1, trees)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
-                          self.level_parent, self.level_rank, self.node_of,
-                          tokens, parents, depths, valid.view(torch.uint8),
-                          D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
-                          IB1=_bits(b * self.k), IB2=_bits(d * b), TOPK=self.topk,
-                          num_warps=self.select_warps)
+                                self.level_parent, self.level_rank, self.node_of,
+                                tokens, parents, depths, valid.view(torch.uint8),
+                                D=d, K=self.k, B=b, BP=self.budget_pad, C=self.cand_count, CP=self.cand_pad,
+                                IB1=_bits(b * self.k), IB2=_bits(d * b), TOPK=self.topk,
+                                num_warps=self.select_warps)
 
         def write_visible():
             _visible[(triton.cdiv(n, block_rows), trees)](parents, visible.view(torch.uint8), n, NP=_pow2(n),
