@@ -2,7 +2,8 @@
 (`ddtree.models.gated_deltanet`) at Qwen3.6-27B's GDN heads (Hk 16, Hv 48, Dk = Dv = 128).
 
     python benchmarks/gdn_kernels.py [--tokens 1,16,17,65,257] [--steps 1,16] [--layers 48]
-        [--tree-shape deep|bushy] [--sweep] [--configs NAME,...] [--jobs 12] [--output FILE.json]
+        [--tree-shape deep|bushy] [--sweep] [--configs NAME,...] [--jobs 12] [--breakdown]
+        [--output FILE.json]
 
 Microseconds per call: the median replay of a CUDA graph of `--layers` calls, each on its own
 layer's state (as a round's GDN layers: the states are not all in L2), divided by their number.
@@ -16,7 +17,9 @@ against the float32 reference (itself ~1e-7 from float64: tests/test_gdn_kernels
 
 --sweep times every tiling of TREE_SWEEP and RECURRENT_SWEEP (else the defaults only); --configs
 keeps those named (of either table; `--steps none` skips the token loop); --jobs first compiles
-them in that many processes (Triton's cache then serves this one).
+them in that many processes (Triton's cache then serves this one). --breakdown adds, per tree
+size and tiling, each launch timed alone (`gdn_tree.TreeLaunches`): the prepare launch, its part
+0 (ancestor lists, A, P, T) and its state products apart, and the solve.
 """
 from __future__ import annotations
 
@@ -130,6 +133,31 @@ def tree_rows(sizes, configs: dict, layers: int, shape: str) -> list[dict]:
     return rows
 
 
+def breakdown_rows(sizes, configs: dict, layers: int, shape: str) -> list[dict]:
+    """Each launch of the tree kernels timed alone, per call: every layer's `TreeLaunches` run
+    once whole (so the solve reads real lists and coefficients), then graphs of one launch each."""
+    rows = []
+    for n in (n for n in sizes if n > 1):
+        q, k, v, g, beta, mask = tree_inputs(n, shape)
+        s = states(layers)
+        for name, config in configs.items():
+            row = {"kernel": "tree_launches", "tokens": n, "config": name}
+            try:
+                launches = [gdn_tree.TreeLaunches(q, k, v, g, beta, mask, s[i], config) for i in range(layers)]
+                for one in launches:
+                    one.prepare()
+                    one.solve()
+                for part in ("all", "lists", "rhs"):
+                    row[f"prepare_{part}_us"] = replay_us(lambda: [one.prepare(part) for one in launches], layers)
+                row["solve_us"] = replay_us(lambda: [one.solve() for one in launches], layers)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(f"   launches N={n:<4} {name}: " + "  ".join(
+                f"{key[:-3]} {value:7.2f}" for key, value in row.items() if key.endswith("_us")), flush=True)
+    return rows
+
+
 def recurrent_rows(steps, configs: dict, layers: int) -> list[dict]:
     rows = []
     for t in steps:
@@ -177,6 +205,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every tiling of TREE_SWEEP / RECURRENT_SWEEP")
     ap.add_argument("--configs", default=None, help="with --sweep: only these tilings, comma-separated")
     ap.add_argument("--jobs", type=int, default=0, help="compile the tilings in this many processes first")
+    ap.add_argument("--breakdown", action="store_true", help="also time each tree launch alone")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     sizes = [int(x) for x in args.tokens.split(",")]
@@ -199,6 +228,8 @@ def main() -> None:
                     print("compile failed:", failure[:300], flush=True)
     with torch.inference_mode():
         rows = tree_rows(sizes, tree_configs, args.layers, args.tree_shape)
+        if args.breakdown:
+            rows += breakdown_rows(sizes, tree_configs, args.layers, args.tree_shape)
         rows += recurrent_rows(steps, rec_configs, args.layers)
     result = {
         "benchmark": "gdn_kernels",

@@ -154,44 +154,77 @@ def tree_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     receives each node's new value u (the solve's result, kept for `fold_path`); G_out [N, Hv]
     float32, if given, each node's path-summed log-decay G (`gated_deltanet.path_decay`), which
     the prepare launch finds anyway (for `fold_path` too)."""
-    n, hk, dk = k.shape
-    if n == 1:  # one node: one token of the loop, the state left as it is; its delta is u
+    if k.shape[0] == 1:  # one node: one token of the loop, the state left as it is; its delta is u
         if G_out is not None:
             G_out.copy_(g)
         return _token_loop(q, k, v, g, beta, state, None, RECURRENT_DEFAULT, write_state=False, delta_out=u_out)
-    config = config or tree_config(n)
-    hv, dv = v.shape[1], v.shape[2]
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    g, beta = g.float(), beta.float()
-    bt, bc = config.block_t, config.block_c
-    block_v, prepare_v = min(config.block_v, dv), min(config.prepare_v, dv)
-    blocks = triton.cdiv(n, bt)
-    slots = bt * blocks * (blocks - 1) // 2 + bc  # block b's list at bt b (b - 1) / 2, at most bt b long
-    device = q.device
-    f32 = dict(dtype=torch.float32, device=device)
-    out = torch.empty(n, hv, dv, **f32)
-    cols = torch.empty(slots, dtype=torch.int32, device=device)
-    counts = torch.empty(blocks, dtype=torch.int32, device=device)
-    coef = torch.empty(2, hv, slots, bt, **f32)  # A and P over each block's ancestor list, [slot, row]
-    diag = torch.empty(2, hv, blocks, bt, bt, **f32)  # T = (I + A_bb)^-1 and P_bb
-    rhs = torch.empty(2, hv, n, dv, **f32)  # beta (v - exp(G) k S) and exp(G) q S
-    direct = u_out is not None and u_out.is_contiguous()
-    u = u_out if direct else torch.empty(hv, n, dv, **f32)
-    mask = visible.contiguous().view(torch.uint8)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
-    meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, num_warps=config.num_warps, num_stages=config.num_stages)
-    store_g = G_out is not None
-    g_out = G_out if store_g else out  # unused unless STORE_G
-    _tree_prepare[(hv, blocks, 1 + dv // prepare_v)](
-        q, k, v, g, beta, mask, state, cols, counts, coef, diag, rhs, g_out, n, slots, *strides,
-        g_out.stride(0), g_out.stride(1), GROUP=hv // hk, BLOCK_V=prepare_v, BLOCK_W=config.block_w,
-        BLOCK_K=min(config.block_k, dk), PRECISION=config.precision, STORE_G=store_g, **meta)
-    _tree_solve[(hv, dv // block_v)](cols, counts, coef, diag, rhs, u, out, n, slots, BLOCK_V=block_v,
-                                     PRECISION=config.solve_precision, **meta)
-    if u_out is not None and not direct:
-        u_out.copy_(u)
-    return out
+    launches = TreeLaunches(q, k, v, g, beta, visible, state, config, u_out, G_out)
+    launches.prepare()
+    launches.solve()
+    return launches.result()
+
+
+class TreeLaunches:
+    """One `tree_gated_delta` call of N >= 2 nodes: its scratch, allocated here, and its two
+    launches, run by `prepare()` then `solve()`; `result()` -> o. Apart so that a benchmark can
+    time each (`benchmarks/gdn_kernels.py --breakdown`): `prepare("lists")` runs only the
+    programs of part 0 (ancestor lists, A, P, T, P_bb), `prepare("rhs")` only the state products'."""
+
+    def __init__(self, q, k, v, g, beta, visible, state, config: TreeConfig | None = None,
+                 u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None):
+        n, hk, dk = k.shape
+        config = config or tree_config(n)
+        hv, dv = v.shape[1], v.shape[2]
+        self.q, self.k, self.v = _unit_last(q), _unit_last(k), _unit_last(v)
+        self.g, self.beta = g.float(), beta.float()
+        self.visible, self.state, self.config, self.n = visible, state, config, n
+        bt, bc = config.block_t, config.block_c
+        self.block_v, self.prepare_v = min(config.block_v, dv), min(config.prepare_v, dv)
+        self.blocks = triton.cdiv(n, bt)
+        # block b's list at bt b (b - 1) / 2, at most bt b long
+        self.slots = bt * self.blocks * (self.blocks - 1) // 2 + bc
+        f32 = dict(dtype=torch.float32, device=q.device)
+        self.out = torch.empty(n, hv, dv, **f32)
+        self.cols = torch.empty(self.slots, dtype=torch.int32, device=q.device)
+        self.counts = torch.empty(self.blocks, dtype=torch.int32, device=q.device)
+        self.coef = torch.empty(2, hv, self.slots, bt, **f32)  # A and P over each block's ancestor list [slot, row]
+        self.diag = torch.empty(2, hv, self.blocks, bt, bt, **f32)  # T = (I + A_bb)^-1 and P_bb
+        self.rhs = torch.empty(2, hv, n, dv, **f32)  # beta (v - exp(G) k S) and exp(G) q S
+        self.u_out = u_out
+        self.direct = u_out is not None and u_out.is_contiguous()
+        self.u = u_out if self.direct else torch.empty(hv, n, dv, **f32)
+        self.G_out = G_out
+        self.meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, num_warps=config.num_warps,
+                         num_stages=config.num_stages)
+
+    def prepare(self, parts: str = "all") -> None:
+        """The prepare launch: every part ("all"), or part 0 alone ("lists") or the rest ("rhs")."""
+        q, k, v, g, beta, config = self.q, self.k, self.v, self.g, self.beta, self.config
+        hv, dv = v.shape[1], v.shape[2]
+        tiles = dv // self.prepare_v
+        first, count = {"all": (0, 1 + tiles), "lists": (0, 1), "rhs": (1, tiles)}[parts]
+        mask = self.visible.contiguous().view(torch.uint8)
+        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
+        store_g = self.G_out is not None
+        g_out = self.G_out if store_g else self.out  # unused unless STORE_G
+        _tree_prepare[(hv, self.blocks, count)](
+            q, k, v, g, beta, mask, self.state, self.cols, self.counts, self.coef, self.diag, self.rhs, g_out,
+            self.n, self.slots, first, *strides, g_out.stride(0), g_out.stride(1), GROUP=hv // k.shape[1],
+            BLOCK_V=self.prepare_v, BLOCK_W=config.block_w, BLOCK_K=min(config.block_k, k.shape[2]),
+            PRECISION=config.precision, STORE_G=store_g, **self.meta)
+
+    def solve(self) -> None:
+        hv, dv = self.v.shape[1], self.v.shape[2]
+        _tree_solve[(hv, dv // self.block_v)](self.cols, self.counts, self.coef, self.diag, self.rhs, self.u,
+                                              self.out, self.n, self.slots, BLOCK_V=self.block_v,
+                                              PRECISION=self.config.solve_precision, **self.meta)
+
+    def result(self) -> torch.Tensor:
+        """o [N, Hv, Dv] float32 (and u into u_out, where it was not written in place)."""
+        if self.u_out is not None and not self.direct:
+            self.u_out.copy_(self.u)
+        return self.out
 
 
 def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -327,8 +360,8 @@ if triton is not None:
 
     @triton.jit
     def _tree_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, mask_ptr, state_ptr, cols_ptr, count_ptr, coef_ptr,
-                      diag_ptr, rhs_ptr, g_out_ptr, n, slots, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n,
-                      sb_h, so_n, so_h, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      diag_ptr, rhs_ptr, g_out_ptr, n, slots, first_part, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n,
+                      sg_h, sb_n, sb_h, so_n, so_h, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_G: tl.constexpr):
         """Program (value head h, block b, part): everything of block b that does not depend on
@@ -338,7 +371,7 @@ if triton is not None:
         values to the same place."""
         h = tl.program_id(0)
         b = tl.program_id(1)
-        part = tl.program_id(2)
+        part = first_part + tl.program_id(2)
         hk = h // GROUP
         hv = tl.num_programs(0)
         blocks = tl.num_programs(1)
