@@ -70,6 +70,16 @@ class RoundCostTable:
                       for c, by_rows in sorted(self._grid.items())]
         return _interpolate(by_context, context)
 
+    def summary(self) -> str:
+        """The measured points in one line, ms per round: "context 64: 1 rows ar 0.27 16 0.45 | ..."."""
+        parts = []
+        for context in sorted({p.context for p in self.points}):
+            for rows in sorted({p.rows for p in self.points if p.context == context}):
+                line = sorted((p.tokens_per_row, p.budget, p.seconds) for p in self.points
+                              if p.context == context and p.rows == rows)
+                parts.append(f"context {context}, {rows} rows: " + " ".join(f"{b} {s * 1000:.2f}" for _, b, s in line))
+        return "ms per round at " + " | ".join(parts)
+
     def to_json(self) -> list[dict]:
         return [vars(p).copy() for p in self.points]
 

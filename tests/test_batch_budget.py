@@ -144,3 +144,10 @@ def test_cost_table_json_round_trip_and_refusals():
 
 def test_row_counts():
     assert row_counts(1) == [1] and row_counts(8) == [1, 2, 4, 8] and row_counts(6) == [1, 2, 4, 6]
+
+
+def test_cost_table_summary_lists_every_point_in_ms():
+    table = RoundCostTable([RoundCost(64, 1, "ar", 1, 0.00027), RoundCost(64, 1, "16", 17, 0.00045),
+                            RoundCost(64, 16, "16", 17, 0.00066), RoundCost(64, 16, "ar", 1, 0.00036)])
+    assert table.summary() == ("ms per round at context 64, 1 rows: ar 0.27 16 0.45 | "
+                               "context 64, 16 rows: ar 0.36 16 0.66")

@@ -394,13 +394,14 @@ def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None
                 reason = f"{path}: {exc}"
             else:
                 if table.max_rows >= llm.max_num_seqs:
-                    log(f"batch budget: round costs from {path} (tuned {record.get('created', '?')})")
+                    log(f"batch budget: round costs from {path} (tuned {record.get('created', '?')}): "
+                        f"{table.summary()}")
                     return table
                 reason = f"{path} measured round costs up to {table.max_rows} rows, not {llm.max_num_seqs}"
     start = time.perf_counter()
     table = measure_round_costs(_batch_engine(llm, budgets), budgets)
     log(f"batch budget: {reason}; measured round costs for 1..{llm.max_num_seqs} rows at "
-        f"{', '.join(map(str, budgets))} in {time.perf_counter() - start:.1f} s")
+        f"{', '.join(map(str, budgets))} in {time.perf_counter() - start:.1f} s: {table.summary()}")
     return table
 
 
