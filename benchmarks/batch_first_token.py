@@ -9,7 +9,7 @@ the demo pair, `--prompts` prompts of distinct lengths (60 to 600 tokens) each j
 `ddtree.batching.BatchedRequests` of an `LLM` alone, and the script times `add` (the prefill and the
 first token), the first round after it and the next rounds, twice over the same prompts (a second
 pass shows what the first one compiled or captured), then the one-request engine's first event
-(`LLM.stream`) on the same prompts.
+(`LLM.stream`) on the same prompts, and how many prompts' first tokens the two agree on.
 """
 from __future__ import annotations
 
@@ -39,12 +39,13 @@ def ms(values: list[float]) -> dict:
 
 def batched_pass(llm: LLM, batch, prompts: list[list[int]], budget: TreeShape, params: SamplingParams) -> dict:
     """Each prompt alone in the batch: add (prefill + first token), its first round, 4 more rounds."""
-    adds, firsts, rounds = [], [], []
+    adds, firsts, rounds, tokens = [], [], [], []
     for prompt in prompts:
         sync(llm.device)
         start = time.perf_counter()
-        request, _ = batch.add(prompt, params, budget)
+        request, event = batch.add(prompt, params, budget)
         adds.append(time.perf_counter() - start)
+        tokens.append(event.token_ids[0])
         start = time.perf_counter()
         batch.step()
         firsts.append(time.perf_counter() - start)
@@ -53,19 +54,19 @@ def batched_pass(llm: LLM, batch, prompts: list[list[int]], budget: TreeShape, p
             batch.step()
         rounds.append((time.perf_counter() - start) / 4)
         batch.cancel(request)
-    return {"add": ms(adds), "first_round": ms(firsts), "round": ms(rounds)}
+    return {"add": ms(adds), "first_round": ms(firsts), "round": ms(rounds), "first_tokens": tokens}
 
 
 def single_pass(llm: LLM, prompts: list[list[int]], budget: TreeShape, params: SamplingParams) -> dict:
-    firsts = []
+    firsts, tokens = [], []
     for prompt in prompts:
         sync(llm.device)
         start = time.perf_counter()
         stream = llm.stream(prompt, params, budget.json_value)
-        next(stream)
+        tokens.append(next(stream).token_ids[0])
         firsts.append(time.perf_counter() - start)
         stream.close()
-    return {"first_event": ms(firsts)}
+    return {"first_event": ms(firsts), "first_tokens": tokens}
 
 
 def main() -> int:
@@ -94,6 +95,9 @@ def main() -> int:
     for rep in range(2):
         result["single"].append(single_pass(llm, prompts, budget, params))
         print(f"one-request pass {rep}: {json.dumps(result['single'][-1])}", flush=True)
+    result["first_tokens_equal"] = sum(a == b for a, b in zip(result["batched"][-1]["first_tokens"],
+                                                              result["single"][-1]["first_tokens"]))
+    print(f"first tokens equal to the one-request engine's: {result['first_tokens_equal']} of {len(prompts)}")
     Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

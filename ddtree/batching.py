@@ -46,7 +46,9 @@ class BatchedRequests:
                                   prefill_chunk=llm.engine.prefill_chunk, use_graphs=llm.engine.use_graphs,
                                   kv_bucket=llm.engine.kv_bucket, fused_tree=llm.engine.fused_tree,
                                   padded_prefill=bool(llm.engine.prefill_lengths),
-                                  compile_layers=False)  # the models run as the LLM set them
+                                  compile_layers=False,  # the models run as the LLM set them
+                                  # padded prompts go through the LLM's engine, its prefill graphs
+                                  prefill_engine=llm.engine if llm.engine.prefill_lengths else None)
         self.running: list[BatchedRequest] = []
 
     @property

@@ -400,6 +400,33 @@ class Engine:
         graph.replay()
         return logits
 
+    def prefill_padded(self, prompt: list[int]) -> torch.Tensor | None:
+        """A prompt of up to the longest of `prefill_lengths` tokens, padded to the next of them, from
+        slot 0 of this engine's caches (the target's KV, the drafter's context, a hybrid's recurrent
+        state) in one forward, a graph replay with graphs; n set to its length -> logits [1, V]
+        (float32; with graphs, the graph's output, rewritten by its next replay). None for a longer
+        prompt, which the caller prefills in chunks."""
+        p = len(prompt)
+        length = next((x for x in self.prefill_lengths if x >= p), None)
+        if length is None:
+            return None
+        self.n.fill_(p)
+        self.prompt_tokens[:p].copy_(torch.tensor(prompt, dtype=torch.long))
+        return self._run_prefill(length)
+
+    def capture_prefills(self) -> int:
+        """With graphs, capture now the prefill graph of every padded length not yet captured ->
+        how many were captured."""
+        if not self.use_graphs:
+            return 0
+        missing = [length for length in self.prefill_lengths if length not in self.prefill_graphs]
+        self.n.fill_(1)  # the prefill's logit row is n - 1
+        for length in missing:
+            self.prefill_graphs[length] = self.capture(lambda: self._padded_prefill(length))
+        self.n.zero_()
+        self._host_n = 0
+        return len(missing)
+
     def _run_back(self, budget: TreeShape) -> None:
         if budget in self.back_graphs:
             self.back_graphs[budget].replay()
@@ -463,16 +490,12 @@ class Engine:
         if not self.use_graphs:
             return
         start = time.perf_counter()
-        self.n.fill_(1)  # the prefill's logit row is n - 1
-        for length in self.prefill_lengths:
-            if length not in self.prefill_graphs:
-                self.prefill_graphs[length] = self.capture(lambda: self._padded_prefill(length))
-        self.n.zero_()
-        self._host_n = 0
+        self.capture_prefills()
         for kv_len in self.front_kv_lens(budget):
             if (budget, kv_len) not in self.front_graphs:
                 self.front_graphs[(budget, kv_len)] = self._capture_front(budget, kv_len)
-        log.info("captured the prefill graphs and the front graphs of budget=%s in %.2f s", budget, time.perf_counter() - start)
+        log.info("captured the prefill graphs and the front graphs of budget=%s in %.2f s", budget,
+                 time.perf_counter() - start)
 
     def round_phases(self, budget: TreeShape) -> dict[str, Callable[[], object]]:
         """A round of a prepared `budget` at the current state, as phases that each run alone, in
@@ -508,12 +531,9 @@ class Engine:
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
 
         p = len(prompt)
-        self.n.fill_(p)
-        length = next((x for x in self.prefill_lengths if x >= p), None)
-        if length is not None:
-            self.prompt_tokens[:p].copy_(torch.tensor(prompt, dtype=torch.long))
-            logits = self._run_prefill(length)
-        else:
+        logits = self.prefill_padded(prompt)
+        if logits is None:
+            self.n.fill_(p)
             tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
             logits = self._prefill_chunked(tokens, self.feature_layers if budget.drafts else None)
         self.root.copy_(choose_tokens(logits, params, generator)[0])

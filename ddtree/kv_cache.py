@@ -43,16 +43,19 @@ class KVCache:
                 self.k[layer].index_copy_(0, slots, k[:, layer])
                 self.v[layer].index_copy_(0, slots, v[:, layer])
 
-    def copy_span(self, src: int, dst: int, length: int) -> None:
-        """Copy slots [src, src + length) to [dst, dst + length) in all layers (a sequence moving to
-        another cache row). Overlapping spans are copied as if through a temporary."""
-        if length <= 0 or src == dst:
+    def copy_span(self, src: int, dst: int, length: int, source: KVCache | None = None) -> None:
+        """Copy slots [src, src + length) of `source` (default: this cache; one of the same layers
+        and heads) to this cache's [dst, dst + length) in all layers: a sequence moving to another
+        cache row, or one prefilled in another cache. Overlapping spans of one cache are copied as
+        if through a temporary."""
+        source = source or self
+        if length <= 0 or (source is self and src == dst):
             return
-        for cache in (self.k, self.v):
-            source = cache[:, src:src + length]
-            if abs(src - dst) < length:
-                source = source.clone()
-            cache[:, dst:dst + length].copy_(source)
+        for cache, origin in ((self.k, source.k), (self.v, source.v)):
+            span = origin[:, src:src + length]
+            if origin is cache and abs(src - dst) < length:
+                span = span.clone()
+            cache[:, dst:dst + length].copy_(span)
 
     def compact(self, start: int | torch.Tensor, order: torch.Tensor) -> None:
         """Move slot `start + order[j]` to slot `start + j` for every j, in all layers.

@@ -24,6 +24,11 @@ class RecurrentState:
     def bytes(self) -> int:
         return self.state.numel() * self.state.element_size() + self.conv.numel() * self.conv.element_size()
 
+    def copy_from(self, other: RecurrentState) -> None:
+        """This state and conv window := other's (a sequence moving rows, or prefilled elsewhere)."""
+        self.state.copy_(other.state)
+        self.conv.copy_(other.conv)
+
 
 class RecurrentScratch:
     """What a round's verify stashes per node and layer for the commit to fold the accepted path

@@ -66,6 +66,30 @@ def test_every_row_equals_its_solo_run_with_rows_joining_and_leaving(llm, solo_t
         assert tokens == solo_tokens[i], CASES[i]
 
 
+def test_padded_prompts_go_through_the_llms_engine_and_rows_equal_solo_runs(demo_pair, solo_tokens):
+    """With padded prefill (as with graphs), the batch prefills each prompt through the LLM's
+    one-request engine (its prefill graphs on a GPU) and copies the entries into the row."""
+    padded = LLM(*demo_pair, device="cpu", max_model_len=MAX_LEN, padded_prefill=True)
+    batch = padded.batched()
+    assert batch.engine.prefill_engine is padded.engine
+    ran = []
+    prefill = padded.engine.prefill_padded
+    padded.engine.prefill_padded = lambda prompt: (ran.append(len(prompt)), prefill(prompt))[1]
+    outputs = {}
+    for i, (prompt, sampling, budget) in enumerate(CASES):
+        request, event = batch.add(padded.encode(prompt), sampling, parse_tree_budget(budget))
+        outputs[id(request)] = (i, list(event.token_ids))
+        if i == 1:  # the first two decode a round before the others join
+            for request, event in batch.step():
+                outputs[id(request)][1].extend(event.token_ids)
+    while batch.running:
+        for request, event in batch.step():
+            outputs[id(request)][1].extend(event.token_ids)
+    assert len(ran) == len(CASES)
+    for i, tokens in outputs.values():
+        assert tokens == solo_tokens[i], CASES[i]
+
+
 def test_generate_with_a_list_batches_and_keeps_prompt_order(llm, solo_tokens):
     prompts = [case[0] for case in CASES]
     results = llm.generate(prompts, [case[1] for case in CASES], tree_budget=None)

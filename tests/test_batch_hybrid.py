@@ -126,3 +126,30 @@ def test_graphs_captured_ahead_stay_when_the_stash_is_sized_for_the_largest_budg
     assert engine.row_scratch[0].nodes == b16.nodes(engine.block_size)
     assert all(key[1] == b16 for key in engine.rounds.back_graphs)  # the smaller budgets' graphs were dropped
     assert got[0] == solo(llm, CASES[0], b16)
+
+
+@pytest.mark.parametrize("budget", [AR, B8], ids=str)
+def test_prompts_prefilled_through_a_one_request_engine_equal_solo_runs(llm, budget):
+    """Padded prompts prefilled by a one-request `Engine` (as an LLM's prefill graphs do on a GPU)
+    and copied into their rows (KV, recurrent state and conv window, the drafter's context): every
+    row still equals its solo run, rows moving and joining, and the engine ran every prefill."""
+    from ddtree.engine import Engine
+
+    donor = Engine(llm.target, llm.drafter, MAX_LEN, padded_prefill=True)
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=4, max_nodes=9, padded_prefill=True,
+                         prefill_engine=donor)
+    ran = []
+    prefill = donor.prefill_padded
+    donor.prefill_padded = lambda prompt: (ran.append(len(prompt)), prefill(prompt))[1]
+    got = decode_rows(engine, CASES, [budget] * len(CASES), join_after=3)
+    assert sorted(ran) == sorted(len(case[0]) for case in CASES)
+    for tokens, case in zip(got, CASES):
+        assert tokens == solo(llm, case, budget), (budget, case[0][:4])
+
+
+def test_a_prefill_engine_must_pad_alike(llm):
+    from ddtree.engine import Engine
+
+    with pytest.raises(ValueError, match="same lengths"):
+        BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=2, padded_prefill=True,
+                    prefill_engine=Engine(llm.target, llm.drafter, MAX_LEN, padded_prefill=False))
