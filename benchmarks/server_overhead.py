@@ -1,7 +1,7 @@
 """What the HTTP server costs a request, against the engine's own time, with the engine's time fixed.
 
     python -m benchmarks.server_overhead OUTPUT.json [--engine-us 180] [--requests 32]
-        [--max-tokens 128] [--max-num-seqs 1]
+        [--max-tokens 128] [--max-num-seqs 1] [--concurrency 1 --accept 1 --row-us 0]
 
 The GPU's engine is host-bound on small models: its Python thread holds the interpreter lock for
 most of a round (launching graphs, reading the summary), and the server's event loop shares that
@@ -17,6 +17,14 @@ tokens x engine-us; the ratio of the two is what the HTTP path leaves of in-proc
 
 The server process's CPU seconds per request are read from /proc (Linux) around the timed
 requests: beyond the engine's own busy time, they are the cost of the HTTP path itself.
+
+With `--max-num-seqs` above 1 the server's batched worker runs instead, on a replaying batch
+(`ReplayingBatch`, in place of `ddtree.batching.BatchedRequests`): every round spins `--engine-us`
+plus `--row-us` per row, and gives each row the next `--accept` tokens of the recording through
+its own real `RequestProgress` (stop rules, text, statistics), so that every round's events, the
+worker, the event loop and the HTTP path are real and only the models are not. `--concurrency`
+clients then stream `--requests` requests at once, and the same replaying batch driven in process
+with that many requests at a time (no server) gives the in-process tokens/s they are held to.
 """
 from __future__ import annotations
 
@@ -41,16 +49,13 @@ def replaying_stream(llm, engine_us: float, max_tokens: int, host_fraction: floa
 
     recorded = list(llm.stream(llm.apply_chat_template(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                "ar"))
-    spin, wait = engine_us * host_fraction / 1e6, engine_us * (1 - host_fraction) / 1e6
+    busy, idle = engine_us * host_fraction / 1e6, engine_us * (1 - host_fraction) / 1e6
 
     def stream(prompt, params=None, tree_budget=None):
         limit = params.max_tokens if params is not None and params.max_tokens else max_tokens
         sent = 0
         for event in recorded:
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:  # busy: the lock stays held, as in the engine's host loop
-                pass
-            time.sleep(wait)  # the round's host sync: the lock is free while the GPU finishes
+            spin(busy, idle)  # the lock held, as in the engine's host loop; then free, as at its sync
             sent += len(event.token_ids)
             yield event
             if event.result is not None or sent >= limit:
@@ -59,8 +64,100 @@ def replaying_stream(llm, engine_us: float, max_tokens: int, host_fraction: floa
     return stream
 
 
-def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_fraction: float) -> int:
-    """Run `ddtree serve` on the demo pair (CPU) with the replaying engine."""
+def spin(busy_s: float, idle_s: float) -> None:
+    """`busy_s` of busy Python with the interpreter lock held, then `idle_s` asleep with it free."""
+    end = time.perf_counter() + busy_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(idle_s)
+
+
+def recorded_tokens(llm, max_tokens: int) -> list[int]:
+    """The demo pair's greedy answer to PROMPT, `max_tokens` tokens."""
+    from ddtree.config import SamplingParams
+
+    prompt = llm.apply_chat_template(PROMPT)
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), "ar").token_ids
+
+
+class ReplayedRequest:
+    """`BatchedRequest`'s part the worker reads: `sequence.budget`, `progress`; and the replay's place."""
+
+    def __init__(self, budget, progress):
+        from types import SimpleNamespace
+
+        self.sequence = SimpleNamespace(budget=budget)
+        self.progress = progress
+        self.at = 1  # the next recorded token (the prefill gave the first)
+
+
+class ReplayingBatch:
+    """A stand-in for `ddtree.batching.BatchedRequests` (module docstring): `add`, `step`, `cancel`,
+    `free`, `running`. Each round costs `engine_us` + `row_us` per row, `host_fraction` of it busy."""
+
+    def __init__(self, llm, tokens: list[int], accept: int, engine_us: float, row_us: float,
+                 host_fraction: float, max_rows: int):
+        self.llm, self.tokens, self.accept, self.max_rows = llm, tokens, accept, max_rows
+        self.engine_us, self.row_us, self.host_fraction = engine_us, row_us, host_fraction
+        self.running: list[ReplayedRequest] = []
+
+    @property
+    def free(self) -> int:
+        return self.max_rows - len(self.running)
+
+    def add(self, prompt_ids, params, budget, adaptive: bool = False):
+        from ddtree.engine import Step
+
+        request = ReplayedRequest(budget, self.llm.progress(prompt_ids, params, budget, adaptive))
+        event = request.progress.add(Step([self.tokens[0]], 0))
+        if event is None:
+            return request, request.progress.final_event()
+        self.running.append(request)
+        return request, event
+
+    def step(self):
+        from ddtree.engine import Step
+
+        seconds = (self.engine_us + self.row_us * len(self.running)) / 1e6
+        spin(seconds * self.host_fraction, seconds * (1 - self.host_fraction))
+        events = []
+        for request in list(self.running):
+            chunk = self.tokens[request.at:request.at + self.accept]
+            request.at += len(chunk)
+            event = request.progress.add(Step(chunk, len(chunk), budget=request.sequence.budget))
+            if event is None or request.at >= len(self.tokens):
+                self.running.remove(request)
+                event = request.progress.final_event()
+            events.append((request, event))
+        return events
+
+    def cancel(self, request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+
+
+def in_process_tokens_per_s(batch: ReplayingBatch, llm, requests: int, concurrency: int, max_tokens: int) -> float:
+    """The replaying batch driven with `concurrency` requests at a time, no server -> output tokens/s."""
+    from ddtree.config import SamplingParams
+    from ddtree.tree_shape import AR
+
+    prompt_ids = llm.apply_chat_template(PROMPT)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    started = tokens = 0
+    start = time.perf_counter()
+    while started < requests or batch.running:
+        while started < requests and len(batch.running) < concurrency:
+            _, event = batch.add(prompt_ids, params, AR)
+            tokens += len(event.token_ids)
+            started += 1
+        for _, event in batch.step():
+            tokens += len(event.token_ids)
+    return tokens / (time.perf_counter() - start)
+
+
+def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_fraction: float,
+          accept: int = 1, row_us: float = 0.0) -> int:
+    """Run `ddtree serve` on the demo pair (CPU) with the replaying engine (or, batched, batch)."""
     from ddtree.cli import build_parser
     from ddtree.server import main as server_main
 
@@ -69,6 +166,10 @@ def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_
     def load_replaying(*args, **kwargs):
         llm = load(*args, **kwargs)
         llm.stream = replaying_stream(llm, engine_us, max_tokens, host_fraction)
+        if max_num_seqs > 1:
+            batch = ReplayingBatch(llm, recorded_tokens(llm, max_tokens), accept, engine_us, row_us, host_fraction,
+                                   max_num_seqs)
+            llm.batched = lambda max_nodes=None: batch
         return llm
 
     server_main._load = load_replaying
@@ -124,7 +225,8 @@ def measure(args) -> dict:
     port = args.port
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.server_overhead", "--serve", str(port),
                               "--engine-us", str(args.engine_us), "--max-tokens", str(args.max_tokens),
-                              "--max-num-seqs", str(args.max_num_seqs), "--host-fraction", str(args.host_fraction)])
+                              "--max-num-seqs", str(args.max_num_seqs), "--host-fraction", str(args.host_fraction),
+                              "--accept", str(args.accept), "--row-us", str(args.row_us)])
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=120) as client:
@@ -132,7 +234,10 @@ def measure(args) -> dict:
             for _ in range(args.warmup):
                 stream_one(client, url, args.max_tokens)
             cpu_before, wall_before = cpu_seconds(child.pid), time.perf_counter()
-            runs = [stream_one(client, url, args.max_tokens) for _ in range(args.requests)]
+            if args.concurrency == 1:
+                runs = [stream_one(client, url, args.max_tokens) for _ in range(args.requests)]
+            else:
+                runs = streams_at_once(url, args.max_tokens, args.requests, args.concurrency)
             wall = time.perf_counter() - wall_before
             server_cpu = cpu_seconds(child.pid) - cpu_before
     finally:
@@ -141,16 +246,70 @@ def measure(args) -> dict:
     tokens = statistics.median(r["tokens"] for r in runs)
     in_process_s = tokens * args.engine_us / 1e6  # one event per token at `ar`
     e2e = statistics.median(r["e2e_s"] for r in runs)
+    aggregate = sum(r["tokens"] for r in runs) / wall
+    if args.max_num_seqs > 1:
+        return batched_result(args, runs, aggregate, server_cpu)
     return {
         "benchmark": "server_overhead", "command": " ".join(["python -m benchmarks.server_overhead", *sys.argv[1:]]),
-        "engine_us": args.engine_us, "host_fraction": args.host_fraction, "max_tokens": args.max_tokens, "requests": args.requests,
+        "engine_us": args.engine_us, "host_fraction": args.host_fraction, "max_tokens": args.max_tokens,
+        "requests": args.requests,
         "max_num_seqs": args.max_num_seqs, "tokens_per_request": tokens,
         "median_ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1000,
         "median_e2e_ms": e2e * 1000, "in_process_ms": in_process_s * 1000,
         "http_over_in_process": in_process_s / e2e,
-        "aggregate_tokens_per_s": sum(r["tokens"] for r in runs) / wall,
+        "aggregate_tokens_per_s": aggregate,
         "server_cpu_ms_per_request": server_cpu / args.requests * 1000,
         "server_cpu_ms_per_request_beyond_engine": (server_cpu / args.requests - in_process_s) * 1000,
+    }
+
+
+def streams_at_once(url: str, max_tokens: int, requests: int, concurrency: int) -> list[dict]:
+    """`requests` streamed requests, `concurrency` at a time (a client thread each)."""
+    import threading
+
+    import httpx
+
+    left, runs, lock = list(range(requests)), [], threading.Lock()
+
+    def client_loop():
+        with httpx.Client(timeout=120) as client:
+            while True:
+                with lock:
+                    if not left:
+                        return
+                    left.pop()
+                run = stream_one(client, url, max_tokens)
+                with lock:
+                    runs.append(run)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return runs
+
+
+def batched_result(args, runs: list[dict], aggregate: float, server_cpu: float) -> dict:
+    """The batched server's aggregate tokens/s beside the replaying batch's in process."""
+    from ddtree.llm import LLM
+
+    llm = LLM(device="cpu", max_num_seqs=args.max_num_seqs)
+    batch = ReplayingBatch(llm, recorded_tokens(llm, args.max_tokens), args.accept, args.engine_us, args.row_us,
+                           args.host_fraction, args.max_num_seqs)
+    in_process_tokens_per_s(batch, llm, args.concurrency, args.concurrency, args.max_tokens)  # warm-up
+    in_process = in_process_tokens_per_s(batch, llm, args.requests, args.concurrency, args.max_tokens)
+    return {
+        "benchmark": "server_overhead", "command": " ".join(["python -m benchmarks.server_overhead", *sys.argv[1:]]),
+        "engine_us": args.engine_us, "row_us": args.row_us, "accept": args.accept,
+        "host_fraction": args.host_fraction, "max_tokens": args.max_tokens, "requests": args.requests,
+        "max_num_seqs": args.max_num_seqs, "concurrency": args.concurrency,
+        "tokens_per_request": statistics.median(r["tokens"] for r in runs),
+        "median_ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1000,
+        "median_e2e_ms": statistics.median(r["e2e_s"] for r in runs) * 1000,
+        "aggregate_tokens_per_s": aggregate, "in_process_tokens_per_s": in_process,
+        "http_over_in_process": aggregate / in_process,
+        "server_cpu_ms_per_request": server_cpu / args.requests * 1000,
     }
 
 
@@ -167,9 +326,15 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=1, help="requests streamed at once (batched server)")
+    p.add_argument("--accept", type=int, default=1, help="tokens a row commits per replayed round (batched)")
+    p.add_argument("--row-us", type=float, default=0.0, help="busy microseconds per row per round (batched)")
     args = p.parse_args()
+    if args.concurrency > 1 and args.max_num_seqs < args.concurrency:
+        p.error("--concurrency above 1 needs --max-num-seqs at least as large")
     if args.serve is not None:
-        return serve(args.serve, args.engine_us, args.max_tokens, args.max_num_seqs, args.host_fraction)
+        return serve(args.serve, args.engine_us, args.max_tokens, args.max_num_seqs, args.host_fraction,
+                     args.accept, args.row_us)
     result = measure(args)
     print(json.dumps(result, indent=1))
     if args.output:

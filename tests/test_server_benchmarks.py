@@ -26,3 +26,18 @@ def test_server_first_token_reaches_every_stage_in_order(tmp_path):
     times = [result["stages_ms"][stage] for stage in STAGES]
     assert times == sorted(times) and 0 < times[0]
     assert times[-1] < result["client_ttft_ms"]
+
+
+def test_server_overhead_batched_replay_streams_every_request_whole(tmp_path):
+    """The batched server on a replaying batch: every request of several streamed at once gets all
+    its tokens, a row's rounds giving `--accept` tokens each, and both rates are measured."""
+    out = tmp_path / "overhead.json"
+    cmd = [sys.executable, "-m", "benchmarks.server_overhead", str(out), "--engine-us", "100", "--max-num-seqs", "4",
+           "--concurrency", "4", "--accept", "3", "--requests", "8", "--warmup", "1", "--max-tokens", "16",
+           "--port", str(free_port())]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["concurrency"] == 4 and result["tokens_per_request"] == 16
+    assert result["aggregate_tokens_per_s"] > 0 and result["in_process_tokens_per_s"] > 0
+    assert result["http_over_in_process"] == result["aggregate_tokens_per_s"] / result["in_process_tokens_per_s"]
