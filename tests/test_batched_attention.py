@@ -62,6 +62,7 @@ CASES = [  # m, Hq, Hkv, D, prefix lengths per row, strided cache
     (5, 4, 2, 32, [20, 0], True),  # a row with no prefix
     (9, 4, 1, 16, [70, 0, 300], True),  # mid key block, none, long: splits of short rows see nothing
     (17, 2, 2, 16, [130, 5, 64], False),  # a prefix of exactly one key block
+    (17, 4, 1, 16, [70, 0, 140], True),  # 68 rows a batch row: a 64-row block and a 4-row tail
 ]
 
 

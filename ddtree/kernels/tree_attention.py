@@ -36,7 +36,13 @@ Exact attention (online softmax in float32); it differs from PyTorch's only in s
 Tried and not kept: the prefix's key and value tiles through Hopper's TMA (tensor descriptors),
 with and without Triton's warp specialisation of the loop: 5-10% slower than these loads at
 Qwen3-8B heads over 32k keys (N = 17, 65, 257; attention_configs_h200_tma_8b.json), and the warp-
-specialised loop did not compile at head_dim 256.
+specialised loop did not compile at head_dim 256. And a tree's last few query rows ((B + 1) x
+group rows leave `group` past whole 128-row blocks: 4 of 260 at Qwen3-8B heads and N = 65, 6 of
+390 at Qwen3.6-27B's) riding in a 16-row tile with the first block's programs, on its key tiles,
+instead of a block of their own: 1.36-1.43x slower where it applied (H200, us per layer: 27B heads
+over 8192 keys, N = 65 64.3 -> 91.9, N = 257 143.0 -> 207.8; 8B heads over 32k keys, N = 65
+111.7 -> 151.9, N = 257 326.8 -> 465.9; attention_configs_h200_tail_{27b,8b}.json), the second
+accumulator beside a 128-row one costing more than the block it saved.
 """
 from __future__ import annotations
 
