@@ -96,10 +96,10 @@ class RequestProgress:
     statistics and log-probs; the same for a request decoded alone or in a batch."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape, eos_token_ids: list[int],
-                 decode, adaptive: bool = False):
+                 decode, adaptive: bool = False, incremental: bool = True):
         self.prompt_ids = prompt_ids
         self.budget = budget
-        self.out = OutputBuilder(params, eos_token_ids, decode)
+        self.out = OutputBuilder(params, eos_token_ids, decode, incremental)
         self.stats = GenerationStats(tree_budget=ADAPTIVE if adaptive else budget.label)
         self.start = time.perf_counter()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -386,8 +386,10 @@ class LLM:
     def progress(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
                  adaptive: bool = False) -> "RequestProgress":
         """A request's output tracker (stop rules, text, statistics), started now."""
-        decode = self.tokenizer.decode_for_output if self.tokenizer is not None else None
-        return RequestProgress(prompt_ids, params, budget, self.eos_token_ids, decode, adaptive)
+        tokenizer = self.tokenizer
+        decode = tokenizer.decode_for_output if tokenizer is not None else None
+        incremental = tokenizer is None or tokenizer.decodes_incrementally
+        return RequestProgress(prompt_ids, params, budget, self.eos_token_ids, decode, adaptive, incremental)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  tree_budget: object = None) -> GenerationResult | list[GenerationResult]:

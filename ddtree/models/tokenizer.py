@@ -30,6 +30,12 @@ class Tokenizer:
     def decode_for_output(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    @property
+    def decodes_incrementally(self) -> bool:
+        """Whether an output's text may be decoded a few tokens at a time (`output.OutputBuilder`):
+        not where decoding cleans up spaces across tokens (" ." -> "."), which a slice cannot see."""
+        return not getattr(self.hf, "clean_up_tokenization_spaces", False)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest vocabulary entry, in characters: no token covers more of a text (byte-level
