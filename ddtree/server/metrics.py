@@ -139,8 +139,11 @@ class ServerMetrics:
     def record_batch_round(self, budgets: list[TreeShape]) -> None:
         """One batched round, whose rows decoded at these budgets."""
         size = batch_size_bucket(len(budgets))
-        for budget in budgets:
-            self.batch_rounds.labels(self.model_name, budget.label, size).inc()
+        rows: dict[str, int] = {}
+        for budget in budgets:  # one look-up per budget, not per row: this runs every round
+            rows[budget.label] = rows.get(budget.label, 0) + 1
+        for label, count in rows.items():
+            self.batch_rounds.labels(self.model_name, label, size).inc(count)
 
     def set_batch_acceptance(self, expected: dict[tuple[str, str], float]) -> None:
         for (temperature_bucket, budget), value in expected.items():
