@@ -66,20 +66,28 @@ def test_long_prompt_prefill_greedy_equals_transformers(pair):
                 (length, budget)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_equal_eager(pair, dtype):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def graphs_and_eager(pair, request):
+    """(dtype, an LLM with graphs, one without) over the same checkpoint, shared by the budgets' tests
+    (each budget its own test, so that a run with a time limit reports the ones it finished)."""
+    dtype = request.param
     _, target, draft = pair
     graphs = LLM(target, draft, device="cuda", dtype=dtype, use_graphs=True, max_model_len=1024)
     same_kernels = dict(compile_layers=True, kv_bucket=graphs.engine.kv_bucket, padded_prefill=True) \
         if dtype == "bfloat16" else {}
     eager = LLM(target, draft, device="cuda", dtype=dtype, use_graphs=False, max_model_len=1024, **same_kernels)
+    return dtype, graphs, eager
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+def test_graphs_equal_eager(graphs_and_eager, budget):
+    dtype, graphs, eager = graphs_and_eager
     prompt = list(range(10, 90))
     for params in (SamplingParams(max_tokens=64, ignore_eos=True),
                    SamplingParams(max_tokens=48, temperature=1.0, seed=7, ignore_eos=True)):
-        for budget in BUDGETS:
-            a, b = graphs.generate(prompt, params, budget), eager.generate(prompt, params, budget)
-            assert a.token_ids == b.token_ids, (dtype, budget, params.temperature)
-            assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
+        a, b = graphs.generate(prompt, params, budget), eager.generate(prompt, params, budget)
+        assert a.token_ids == b.token_ids, (dtype, budget, params.temperature)
+        assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
 
 
 def test_conv_kernel_path_greedy_equals_transformers(pair, monkeypatch):
