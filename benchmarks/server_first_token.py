@@ -3,7 +3,8 @@
     python -m benchmarks.server_first_token OUTPUT.json [--requests 60] [--warmup 10] [--engine-us 0]
 
 The server is `benchmarks.server_overhead`'s (the demo pair on the CPU, its engine replaying one
-recorded generation, each step `--engine-us` of busy Python), with marks added around the request's
+recorded generation, each step `--engine-us` of busy Python; the engine a thread of the server's
+process, `serve --no-engine-process`), with marks added around the request's
 path: the server process times each request from the moment it reaches the app, and a client
 process times it from sending to the first content chunk. The stages, each a median over the
 requests after the warm-up, in ms from the request reaching the app:
@@ -167,7 +168,8 @@ def main() -> int:
         from benchmarks.server_overhead import serve
 
         install_marks(Marks(Path(args.marks)))
-        return serve(args.serve, args.engine_us, args.max_tokens, 1, 1.0)
+        # The engine as a thread of the server's process: the marks of both sides share one clock and file.
+        return serve(args.serve, args.engine_us, args.max_tokens, 1, 1.0, engine_thread=True)
     result = measure(args)
     print(json.dumps(result, indent=1))
     if args.output:

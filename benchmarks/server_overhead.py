@@ -1,11 +1,12 @@
 """What the HTTP server costs a request, against the engine's own time, with the engine's time fixed.
 
     python -m benchmarks.server_overhead OUTPUT.json [--engine-us 180] [--requests 32]
-        [--max-tokens 128] [--max-num-seqs 1] [--concurrency 1 --accept 1 --row-us 0]
+        [--max-tokens 128] [--max-num-seqs 1] [--concurrency 1 --accept 1 --row-us 0] [--engine-thread]
 
 The GPU's engine is host-bound on small models: its Python thread holds the interpreter lock for
-most of a round (launching graphs, reading the summary), and the server's event loop shares that
-lock. This benchmark reproduces that on any machine: a `ddtree serve` process whose engine replays
+most of a round (launching graphs, reading the summary), and when it runs as a thread of the
+server's process (`serve --no-engine-process`, here `--engine-thread`) the server's event loop
+shares that lock; by default it runs in a process of its own (ddtree.server.engine_process). This benchmark reproduces that on any machine: a `ddtree serve` process whose engine replays
 one recorded generation (the demo pair's tokens and text, so that the detokenizer and every chunk
 are real), each step holding the lock for `--engine-us` microseconds of busy Python (180 us is
 the demo pair's `ar` step on the H200, 5216 tokens/s in process) and then yielding it once (as
@@ -16,7 +17,10 @@ each one's first content chunk and its end. In process, the same replayed stream
 tokens x engine-us; the ratio of the two is what the HTTP path leaves of in-process tokens/s.
 
 The server process's CPU seconds per request are read from /proc (Linux) around the timed
-requests: beyond the engine's own busy time, they are the cost of the HTTP path itself.
+requests: beyond the engine's own busy time, they are the cost of the HTTP path itself (with the
+engine in its own process, the server's are the front's alone, and the engine process's and the
+client's own are reported beside them: on a machine with fewer cores than busy processes they
+compete for the CPU).
 
 With `--max-num-seqs` above 1 the server's batched worker runs instead, on a replaying batch
 (`ReplayingBatch`, in place of `ddtree.batching.BatchedRequests`): every round spins `--engine-us`
@@ -156,8 +160,10 @@ def in_process_tokens_per_s(batch: ReplayingBatch, llm, requests: int, concurren
 
 
 def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_fraction: float,
-          accept: int = 1, row_us: float = 0.0) -> int:
-    """Run `ddtree serve` on the demo pair (CPU) with the replaying engine (or, batched, batch)."""
+          accept: int = 1, row_us: float = 0.0, engine_thread: bool = False) -> int:
+    """Run `ddtree serve` on the demo pair (CPU) with the replaying engine (or, batched, batch): in
+    its own process (serve's default: the process forks after this patch, so it replays too) or,
+    with engine_thread, as a thread of the server's process."""
     from ddtree.cli import build_parser
     from ddtree.server import main as server_main
 
@@ -174,8 +180,15 @@ def serve(port: int, engine_us: float, max_tokens: int, max_num_seqs: int, host_
 
     server_main._load = load_replaying
     args = build_parser().parse_args(["serve", "--port", str(port), "--device", "cpu", "--tree-budget", "ar",
-                                      "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"])
+                                      "--max-num-seqs", str(max_num_seqs), "--log-level", "warning",
+                                      "--no-engine-process" if engine_thread else "--engine-process"])
     return server_main.cmd_serve(args)
+
+
+def engine_process_of(server_pid: int) -> int | None:
+    """The server's engine process (its one child, Linux), or None when the engine is a thread."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return int(children[0]) if children else None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -226,13 +239,17 @@ def measure(args) -> dict:
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.server_overhead", "--serve", str(port),
                               "--engine-us", str(args.engine_us), "--max-tokens", str(args.max_tokens),
                               "--max-num-seqs", str(args.max_num_seqs), "--host-fraction", str(args.host_fraction),
-                              "--accept", str(args.accept), "--row-us", str(args.row_us)])
+                              "--accept", str(args.accept), "--row-us", str(args.row_us),
+                              *(["--engine-thread"] if args.engine_thread else [])])
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=120) as client:
             wait_until_up(client, url, child)
             for _ in range(args.warmup):
                 stream_one(client, url, args.max_tokens)
+            engine_pid = engine_process_of(child.pid)
+            engine_before = cpu_seconds(engine_pid) if engine_pid else 0.0
+            client_before = time.process_time()
             cpu_before, wall_before = cpu_seconds(child.pid), time.perf_counter()
             if args.concurrency == 1:
                 runs = [stream_one(client, url, args.max_tokens) for _ in range(args.requests)]
@@ -240,6 +257,8 @@ def measure(args) -> dict:
                 runs = streams_at_once(url, args.max_tokens, args.requests, args.concurrency)
             wall = time.perf_counter() - wall_before
             server_cpu = cpu_seconds(child.pid) - cpu_before
+            client_cpu = time.process_time() - client_before
+            engine_cpu = cpu_seconds(engine_pid) - engine_before if engine_pid else None
     finally:
         child.terminate()
         child.wait(30)
@@ -247,19 +266,21 @@ def measure(args) -> dict:
     in_process_s = tokens * args.engine_us / 1e6  # one event per token at `ar`
     e2e = statistics.median(r["e2e_s"] for r in runs)
     aggregate = sum(r["tokens"] for r in runs) / wall
+    cpu = {"client_cpu_ms_per_request": client_cpu / args.requests * 1000, "wall_s": wall,
+           "engine_process_cpu_ms_per_request": None if engine_cpu is None else engine_cpu / args.requests * 1000}
     if args.max_num_seqs > 1:
-        return batched_result(args, runs, aggregate, server_cpu)
+        return {**batched_result(args, runs, aggregate, server_cpu), **cpu}
     return {
         "benchmark": "server_overhead", "command": " ".join(["python -m benchmarks.server_overhead", *sys.argv[1:]]),
         "engine_us": args.engine_us, "host_fraction": args.host_fraction, "max_tokens": args.max_tokens,
-        "requests": args.requests,
+        "requests": args.requests, "engine_process": not args.engine_thread,
         "max_num_seqs": args.max_num_seqs, "tokens_per_request": tokens,
         "median_ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1000,
         "median_e2e_ms": e2e * 1000, "in_process_ms": in_process_s * 1000,
         "http_over_in_process": in_process_s / e2e,
         "aggregate_tokens_per_s": aggregate,
         "server_cpu_ms_per_request": server_cpu / args.requests * 1000,
-        "server_cpu_ms_per_request_beyond_engine": (server_cpu / args.requests - in_process_s) * 1000,
+        "server_cpu_ms_per_request_beyond_engine": (server_cpu / args.requests - in_process_s) * 1000, **cpu,
     }
 
 
@@ -302,6 +323,7 @@ def batched_result(args, runs: list[dict], aggregate: float, server_cpu: float) 
     return {
         "benchmark": "server_overhead", "command": " ".join(["python -m benchmarks.server_overhead", *sys.argv[1:]]),
         "engine_us": args.engine_us, "row_us": args.row_us, "accept": args.accept,
+        "engine_process": not args.engine_thread,
         "host_fraction": args.host_fraction, "max_tokens": args.max_tokens, "requests": args.requests,
         "max_num_seqs": args.max_num_seqs, "concurrency": args.concurrency,
         "tokens_per_request": statistics.median(r["tokens"] for r in runs),
@@ -329,12 +351,14 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=1, help="requests streamed at once (batched server)")
     p.add_argument("--accept", type=int, default=1, help="tokens a row commits per replayed round (batched)")
     p.add_argument("--row-us", type=float, default=0.0, help="busy microseconds per row per round (batched)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="the engine as a thread of the server's process (serve --no-engine-process), not its own")
     args = p.parse_args()
     if args.concurrency > 1 and args.max_num_seqs < args.concurrency:
         p.error("--concurrency above 1 needs --max-num-seqs at least as large")
     if args.serve is not None:
         return serve(args.serve, args.engine_us, args.max_tokens, args.max_num_seqs, args.host_fraction,
-                     args.accept, args.row_us)
+                     args.accept, args.row_us, args.engine_thread)
     result = measure(args)
     print(json.dumps(result, indent=1))
     if args.output:

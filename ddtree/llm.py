@@ -11,13 +11,13 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator
 
 import torch
 
 from ddtree.batch_budget import BatchBudget
 from ddtree.budget_selector import CANDIDATES, context_bucket
-from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget, shown
+from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.engine import PREFILL_CHUNK, Engine, Step
 from ddtree.logprobs import TokenLogprob
 from ddtree.flags import parse_device
@@ -27,6 +27,7 @@ from ddtree.models.configs import TargetConfig
 from ddtree.models.loading import load_drafter, load_target, parse_dtype
 from ddtree.models.tokenizer import Tokenizer, load_tokenizer
 from ddtree.output import OutputBuilder
+from ddtree.request_checks import Prompt, RequestChecks
 from ddtree.round_costs import measure_round_costs
 from ddtree.temperature_buckets import bucket_of
 from ddtree.tree_shape import AR, TreeShape
@@ -34,7 +35,6 @@ from ddtree.working_set import BudgetWorkingSet
 
 DEFAULT_TREE_BUDGET = TreeShape.best(64)
 ADAPTIVE = "adaptive"  # the budget label of a request whose budget its batch chooses each round
-Prompt = Union[str, list[int], dict]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 log = logging.getLogger("ddtree")
 
@@ -143,7 +143,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class LLM:
+class LLM(RequestChecks):
     """A target + drafter pair loaded once. `stream` decodes one request; `generate` with several
     prompts decodes up to max_num_seqs of them together (`batched`). Not thread-safe."""
 
@@ -241,63 +241,7 @@ class LLM:
     def draft_name(self) -> str | None:
         return self.draft_path.name if self.draft_path is not None else None
 
-    # -- prompts ------------------------------------------------------------------------------
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise DDTreeError(f"target model {self.target_path} has no tokenizer files: pass prompt token ids", "prompt")
-        return self.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self._require_tokenizer().encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._require_tokenizer().decode(token_ids)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        tokenizer = self._require_tokenizer()
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        return tokenizer.apply_chat_template(messages)
-
-    @property
-    def max_prompt_chars(self) -> int | None:
-        """Characters beyond which no text fits in max_model_len tokens, whatever it says: every
-        token covers at most the longest vocabulary entry; doubled, for normalisers that shorten text."""
-        if self.tokenizer is None:
-            return None
-        return 2 * self.max_model_len * self.tokenizer.max_token_chars
-
-    def _check_prompt_chars(self, chars: int, param: str) -> None:
-        """Refuse a text that cannot fit before paying for its tokenization."""
-        limit = self.max_prompt_chars
-        if limit is not None and chars > limit:
-            raise DDTreeError(f"the prompt is {chars} characters; no text over {limit} characters fits in the "
-                              f"context limit of {self.max_model_len} tokens", param)
-
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of one prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
-        if isinstance(prompt, dict):
-            if set(prompt) == {"prompt"}:
-                prompt = prompt["prompt"]
-            elif set(prompt) == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-            else:
-                raise DDTreeError(f"a prompt dict holds 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}",
-                                  "prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise DDTreeError("prompt must not be empty", "prompt")
-            self._check_prompt_chars(len(prompt), "prompt")
-            ids = self.encode(prompt)
-            if not ids:
-                raise DDTreeError("prompt encodes to no tokens", "prompt")
-            return ids
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise DDTreeError("prompt must be a non-empty string or list of token ids", "prompt")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise DDTreeError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {shown(t)}", "prompt")
-        return list(prompt)
+    # -- tree budgets (prompts and request checks: RequestChecks) ---------------------------------
 
     def budget_for(self, temperature: float, context_tokens: int = 0) -> TreeShape:
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
@@ -341,19 +285,6 @@ class LLM:
         budget = self.budget_for(temperature, context_tokens) if tree_budget is None else parse_tree_budget(tree_budget)
         if budget.drafts and self.drafter is None:
             raise DDTreeError("this engine has no drafter: only tree budget 'ar' is available", "tree_budget")
-        return budget
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, tree_budget: object = None) -> TreeShape:
-        """Validate everything about a request before any work; return its tree budget."""
-        params.validate()
-        budget = self._budget(tree_budget, params.temperature, len(prompt_ids))
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise DDTreeError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({shown(params.max_tokens)}) = {shown(total)} exceeds the "
-                f"context limit of {self.max_model_len} tokens",
-                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
-            )
         return budget
 
     # -- generation ---------------------------------------------------------------------------

@@ -81,8 +81,10 @@ def _json_error(status: int, body: dict, headers: dict | None = None) -> JSONRes
 
 def create_app(llm=None, *, served_model_name: str | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, tree_budget_mode: str = "fixed",
-               on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """An app serving `llm`; with llm=None it answers 503 until `app.state.worker.attach(llm)`."""
+               on_engine_death: Callable[[BaseException], None] | None = None, engine=None) -> FastAPI:
+    """An app serving `llm`; with llm=None it answers 503 until `app.state.worker.attach(llm)`.
+    engine: instead of an engine thread in this process, an `EngineClient` (the engine in a process
+    of its own, ddtree.server.engine_client), which answers 503 until its engine is ready."""
     if llm is None and not served_model_name:
         raise ValueError("served_model_name is required when the model is attached later")
     if api_key is not None and not api_key:
@@ -90,20 +92,22 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
     limits = limits or ServerLimits()
     limits.check()
     model_name = served_model_name or llm.target_name
-    metrics = ServerMetrics(model_name)
-    worker = EngineWorker(metrics, on_engine_death, max_queued=limits.max_queued_requests,
-                          max_cached_budgets=limits.max_cached_budgets, max_tree_budget=limits.max_tree_budget)
+    worker = engine  # an engine process keeps its own metrics
+    if worker is None:
+        worker = EngineWorker(ServerMetrics(model_name), on_engine_death, max_queued=limits.max_queued_requests,
+                              max_cached_budgets=limits.max_cached_budgets, max_tree_budget=limits.max_tree_budget)
     if llm is not None:
         worker.attach(llm, tree_budget_mode)
 
     async def lifespan(app: FastAPI):
+        worker.attach_loop(asyncio.get_running_loop())  # an engine process's pipe is read there
         yield
         await run_in_threadpool(worker.stop, limits.shutdown_timeout)
 
     app = FastAPI(title="ddtree", version=ddtree.__version__, lifespan=lifespan,
                   description="OpenAI-compatible DDTree speculative decoding server")
     app.state.worker = worker
-    app.state.metrics = metrics
+    app.state.metrics = getattr(worker, "metrics", None)
     app.state.model_name = model_name
     app.state.limits = limits
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_bytes)
@@ -111,7 +115,7 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)  # added last: the outermost, so every answer carries an id
     _add_error_handlers(app)
-    _add_info_routes(app, worker, metrics, model_name, limits)
+    _add_info_routes(app, worker, model_name, limits)
     _add_generation_routes(app, worker, model_name, limits)
     _document_openapi(app, {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
                             "TokenizeRequest": TokenizeRequest, "DetokenizeRequest": DetokenizeRequest})
@@ -189,8 +193,7 @@ def _add_error_handlers(app: FastAPI) -> None:
                                                        type=kind, code=code))
 
 
-def _add_info_routes(app: FastAPI, worker: EngineWorker, metrics: ServerMetrics, model_name: str,
-                     limits: ServerLimits) -> None:
+def _add_info_routes(app: FastAPI, worker: EngineWorker, model_name: str, limits: ServerLimits) -> None:
     created = int(time.time())
 
     @app.get("/health")
@@ -221,7 +224,7 @@ def _add_info_routes(app: FastAPI, worker: EngineWorker, metrics: ServerMetrics,
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        data, content_type = metrics.render()
+        data, content_type = await run_in_threadpool(worker.render_metrics)  # an engine process is asked
         return Response(data, media_type=content_type)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)

@@ -12,6 +12,7 @@ DDTREE_API_KEY), which is how the systemd unit passes them.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -64,7 +65,7 @@ LIMIT_FLAGS = {
                                  "manager restarts it; 0: never"),
 }
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
-             "served_model_name", "api_key", "log_level", "warmup", *LIMIT_FLAGS)
+             "served_model_name", "api_key", "log_level", "warmup", "engine_process", *LIMIT_FLAGS)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -89,6 +90,10 @@ def register(subparsers) -> None:
                         "batched rounds' every row bucket and KV bucket) before serving: no capture pauses on "
                         "first requests, for start-up time and GPU memory (a logits buffer per KV bucket); "
                         "DDTREE_WARMUP=1 sets it")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so that the HTTP server's Python and the "
+                        "engine's never wait for each other's interpreter lock (default); --no-engine-process "
+                        "runs it as a thread of the server's process; DDTREE_ENGINE_PROCESS=0 sets that")
     defaults = ServerLimits()
     for name, (kind, text) in LIMIT_FLAGS.items():
         default = getattr(defaults, name)
@@ -141,6 +146,15 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
     if warmup:
         _warm_up(llm, max_tree_budget)
     return llm
+
+
+def load_for_serving(args: argparse.Namespace, budget, warmup: bool = False,
+                     max_tree_budget: int | None = None) -> tuple:
+    """The LLM `serve` decodes with (`_load`) and its tree budget mode: "auto" (a tune file's picks),
+    "adaptive" (chosen from what is measured while serving) or "fixed"."""
+    llm = _load(args, budget, warmup, max_tree_budget)
+    adaptive = llm.budget_selector is not None or llm.batch_budget is not None
+    return llm, "auto" if budget == "auto" else "adaptive" if adaptive else "fixed"
 
 
 def _warm_up(llm, max_tree_budget: int | None) -> None:
@@ -200,6 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise DDTreeError("--api-key must not be empty; leave it out to serve without a key")
     warmup = flag_enabled(args.warmup, "warmup")
+    engine_process = flag_enabled(args.engine_process, "engine_process")
     check_budget_has_drafter(budget, args.target, args.draft)
     check_pair_configs(args.target, args.draft, args.max_model_len)
 
@@ -222,8 +237,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         outcome["exit"] = 1
         threading.Timer(limits.failure_exit_delay, lambda: setattr(server, "should_exit", True)).start()
 
+    engine = None
+    if engine_process:
+        from ddtree.server.engine_client import EngineClient
+
+        engine = EngineClient(name, on_engine_death, max_queued=limits.max_queued_requests,
+                              max_cached_budgets=limits.max_cached_budgets, max_tree_budget=limits.max_tree_budget)
     app = create_app(None, served_model_name=name, api_key=args.api_key, limits=limits,
-                     on_engine_death=on_engine_death)
+                     on_engine_death=on_engine_death, engine=engine)
     worker = app.state.worker
 
     def end_what_is_left() -> None:
@@ -255,22 +276,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return
             time.sleep(min(1.0, limits.engine_stall_exit / 4))
 
+    def serving() -> None:
+        log.info("serving %r on http://%s:%d", name, args.host, args.port)
+        if limits.engine_stall_exit > 0:
+            threading.Thread(target=watch_for_a_stall, name="ddtree-stall-watch", daemon=True).start()
+
+    def load_failed(exc: BaseException) -> None:  # reported after the HTTP server has stopped
+        outcome["error"] = exc
+        server.should_exit = True
+
     def load() -> None:
         try:
-            llm = _load(args, budget, warmup, limits.max_tree_budget)
-            adaptive = llm.budget_selector is not None or llm.batch_budget is not None
-            worker.attach(llm, "auto" if budget == "auto" else "adaptive" if adaptive else "fixed")
-            log.info("serving %r on http://%s:%d", name, args.host, args.port)
-            if limits.engine_stall_exit > 0:
-                threading.Thread(target=watch_for_a_stall, name="ddtree-stall-watch", daemon=True).start()
-        except BaseException as exc:  # reported after the HTTP server has stopped
-            outcome["error"] = exc
-            server.should_exit = True
+            worker.attach(*load_for_serving(args, budget, warmup, limits.max_tree_budget))
+            serving()
+        except BaseException as exc:
+            load_failed(exc)
 
+    if engine is not None:
+        # Started first, while this process has one thread. Forked on a CPU (the child inherits what
+        # a launcher patched); spawned where CUDA may run, since this process may have asked CUDA
+        # whether it is there (a forked child could not use it then).
+        engine.start(functools.partial(load_for_serving, args, budget, warmup, limits.max_tree_budget),
+                     fork=args.device == "cpu", inherited=sockets, read_in_loop=True, on_ready=serving,
+                     on_load_failure=load_failed, target_path=Path(args.target or DEFAULT_TARGET))
     # uvicorn drains on SIGTERM and then re-raises the signal to the handler found before it started;
     # a no-op handler there makes a drained shutdown exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    threading.Thread(target=load, name="ddtree-load", daemon=True).start()
+    if engine is None:
+        threading.Thread(target=load, name="ddtree-load", daemon=True).start()
     server.run(sockets=sockets)
     error = outcome.get("error")
     if isinstance(error, DDTreeError):

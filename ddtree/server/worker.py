@@ -1,5 +1,8 @@
 """The engine thread: one `LLM`, requests in arrival order, decoded one at a time or, with the LLM's
 max_num_seqs above 1, up to that many together (`ddtree.batching`: jobs join between rounds).
+`ddtree serve` runs it in a process of its own (ddtree.server.engine_process, its jobs' events
+sent over a pipe by a `Job.sink`); `create_app(llm)` and `serve --no-engine-process` in the
+server's process.
 
 HTTP handlers run on the asyncio loop; they hand a validated `Job` to `EngineWorker.submit` and read
 the job's events from an asyncio queue that the engine thread fills (a batched round's events with
@@ -56,17 +59,23 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    budget: TreeShape
-    loop: asyncio.AbstractEventLoop
+    budget: TreeShape | None  # None: chosen by the engine when the job starts (`LLM.budget_for`)
+    loop: asyncio.AbstractEventLoop | None  # where `events` are read; None when `sink` takes them
     request_id: str = "-"
     adaptive: bool = False  # its budget is chosen each round by the batch (`budget`: only its start)
     arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Instead of `events`: sink([(job, item), ...]) takes the engine's items (the engine process's
+    # pipe to the server's front, ddtree.server.engine_process). One sink for many jobs.
+    sink: Callable[[list[tuple["Job", object]]], None] | None = None
+    on_cancel: Callable[[], None] | None = None  # called by `cancel` (the front tells the engine process)
     _raise_next: BaseException | None = None  # an exception found behind events already taken
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     async def next_event(self):
         """The next StreamEvent: every event waiting, merged (`StreamEvent.merged`), so a stream
@@ -93,14 +102,21 @@ class Job:
 
 def emit_all(items: list[tuple[Job, object]]) -> None:
     """Send each job its item from the engine thread, with one wake-up of each event loop (not one
-    per job: a batched round's events reach their streams together). A closed loop means the
-    client is gone: its jobs are cancelled."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, object]]] = {}
+    per job: a batched round's events reach their streams together), or one call of each sink. A
+    closed loop means the client is gone: its jobs are cancelled."""
+    by_destination: dict[object, list[tuple[Job, object]]] = {}
     for job, item in items:
-        by_loop.setdefault(job.loop, []).append((job, item))
-    for loop, pairs in by_loop.items():
+        by_destination.setdefault(job.sink if job.sink is not None else job.loop, []).append((job, item))
+    running = asyncio._get_running_loop()  # called on a loop (the engine process's pipe read there)
+    for destination, pairs in by_destination.items():
+        if not isinstance(destination, asyncio.AbstractEventLoop):
+            destination(pairs)
+            continue
+        if destination is running:
+            _put_all(pairs)
+            continue
         try:
-            loop.call_soon_threadsafe(_put_all, pairs)
+            destination.call_soon_threadsafe(_put_all, pairs)
         except RuntimeError:
             for job, _ in pairs:
                 job.cancel()
@@ -200,6 +216,13 @@ class EngineWorker:
     def ready(self) -> bool:
         return self.state == READY
 
+    def attach_loop(self, loop) -> None:
+        """The server's event loop has started (an engine thread needs nothing of it)."""
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """/metrics: the Prometheus text and its content type."""
+        return self.metrics.render()
+
     def drafted_per_round(self, budget: TreeShape) -> int:
         return budget.drafted_tokens(self.llm.block_size, getattr(self.llm, "vocab_size", 1 << 30))
 
@@ -228,11 +251,7 @@ class EngineWorker:
         return time.monotonic() - self._progress_at
 
     def unavailable_reason(self) -> str:
-        if self.state == LOADING:
-            return "the model is still loading; retry when /health answers 200"
-        if self.state == DEAD:
-            return "the engine has failed; the server is restarting"
-        return "the server is shutting down"
+        return unavailable_reason(self.state)
 
     def _update_queue_gauges(self) -> None:
         self.metrics.set_queue(len(self._active), self._jobs.qsize())
@@ -272,6 +291,8 @@ class EngineWorker:
             self.metrics.record_request(prompt_tokens=0, output_tokens=0, finish_reason="abort", ttft_s=None,
                                         e2e_s=time.perf_counter() - job.arrival, first_to_last_s=None)
             return False
+        if job.budget is None:  # chosen now, from what the budget choosers have seen so far
+            job.budget = self.llm.budget_for(job.params.temperature, len(job.prompt_ids))
         return True
 
     def _start(self, job: Job) -> None:
@@ -454,6 +475,15 @@ class EngineWorker:
             self._jobs.put(None)
         if self.on_death is not None:
             self.on_death(exc)
+
+
+def unavailable_reason(state: str) -> str:
+    """Why an engine in `state` (not READY) takes no request, as a 503 says it."""
+    if state == LOADING:
+        return "the model is still loading; retry when /health answers 200"
+    if state == DEAD:
+        return "the engine has failed; the server is restarting"
+    return "the server is shutting down"
 
 
 def batch_max_nodes(llm, max_tree_budget: int | None) -> int:

@@ -1,0 +1,324 @@
+"""The front's side of the engine process (`ddtree.server.engine_process`): the calls the app and
+`ddtree serve` make of an `EngineWorker` (submit, state, /health's facts, stop, abort_all,
+abandon, stalled_for, waiting, render_metrics), answered over the pipe.
+
+The server's event loop reads the pipe (`attach_loop`; elsewhere a thread of its own does): each
+round's items go to their jobs' queues with one wake-up, as the engine thread's do in one process. The front keeps its own view of
+the jobs it has sent, so that it can bound the queue, tell a stalled engine from an idle one, and
+end every job at once when the engine process dies (a crash, the kernel's OOM killer) or is
+abandoned: a running job then gets EngineFailure (500), a queued one EngineUnavailable (503).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from typing import Callable
+
+from ddtree.models.tokenizer import load_tokenizer
+from ddtree.server.engine_process import run_engine
+from ddtree.server.front_model import FrontModel
+from ddtree.server.worker import (
+    DEAD,
+    LOADING,
+    READY,
+    STOPPED,
+    EngineFailure,
+    EngineUnavailable,
+    Job,
+    QueueFull,
+    emit_all,
+    unavailable_reason,
+)
+
+log = logging.getLogger("ddtree.server")
+
+METRICS_TIMEOUT_S = 10.0  # an engine process that does not answer /metrics in this long is unavailable
+
+
+class EngineClient:
+    """An engine in a child process. `start(load)` forks it (before any other thread of this process
+    starts: a fork copies only the calling thread); it answers 503 until the engine is ready."""
+
+    def __init__(self, model_name: str, on_death: Callable[[BaseException], None] | None = None,
+                 max_queued: int | None = None, max_cached_budgets: int | None = None,
+                 max_tree_budget: int | None = None):
+        self.model_name = model_name
+        self.on_death = on_death
+        self.max_queued = max_queued
+        self.options = {"max_cached_budgets": max_cached_budgets, "max_tree_budget": max_tree_budget}
+        self.state = LOADING
+        self.error: str | None = None
+        self.llm: FrontModel | None = None
+        self.tree_budget_mode = "fixed"
+        self.process = None
+        self._conn = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+        self._jobs: dict[int, Job] = {}  # sent and not yet ended
+        self._started: set[int] = set()  # of those, the ones the engine has sent something for
+        self._progress_at = time.monotonic()  # the engine's last message (or the first job's submission)
+        self._replies: dict[int, list] = {}  # reply id -> [threading.Event, answer]
+        self._abandoned = False
+        self._preload: threading.Thread | None = None
+        self._preloaded: tuple | None = None  # (target path, its tokenizer)
+        self._on_ready: Callable[[], None] | None = None
+        self._on_load_failure: Callable[[BaseException], None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, load: Callable[[], tuple], *, fork: bool = True, inherited=(), read_in_loop: bool = False,
+              on_ready: Callable[[], None] | None = None,
+              on_load_failure: Callable[[BaseException], None] | None = None, target_path=None) -> None:
+        """Start the engine process; load() -> (llm, tree budget mode) runs there.
+
+        fork: the child inherits the loaded modules and whatever the launcher patched (tests,
+        benchmarks), and `inherited` (the listening sockets) is closed there at once; it needs a
+        process that has not touched CUDA (a GPU server spawns: load must then pickle).
+        read_in_loop: the pipe is read by the event loop once `attach_loop` is called (one wake-up
+        a round fewer than a reader thread); else by a thread of its own. on_ready /
+        on_load_failure(exc) are called by the pipe's reader. target_path: the target whose
+        tokenizer this process loads meanwhile (a second or so with transformers)."""
+        self._on_ready, self._on_load_failure = on_ready, on_load_failure
+        context = multiprocessing.get_context("fork" if fork else "spawn")
+        front_end, engine_end = context.Pipe()
+        self.process = context.Process(target=run_engine, name="ddtree-engine",
+                                       args=(engine_end, load, self.model_name, self.options,
+                                             tuple(inherited) if fork else (), logging.getLogger().level))
+        self.process.start()
+        engine_end.close()
+        self._conn = front_end
+        if target_path is not None:
+            self._preload = threading.Thread(target=self._load_tokenizer, args=(target_path,), daemon=True)
+            self._preload.start()
+        if not read_in_loop:
+            threading.Thread(target=self._read, name="ddtree-engine-pipe", daemon=True).start()
+
+    def attach_loop(self, loop) -> None:
+        """Read the pipe on `loop` (started with read_in_loop): a round's items reach their jobs'
+        queues in the callback that reads them."""
+        loop.add_reader(self._conn.fileno(), self._read_ready, loop)
+
+    def _read_ready(self, loop) -> None:
+        try:
+            while self._conn.poll():
+                self._handle(self._conn.recv())
+        except (EOFError, OSError):
+            loop.remove_reader(self._conn.fileno())
+            self._lost()
+
+    def _load_tokenizer(self, target_path) -> None:
+        try:
+            self._preloaded = (target_path, load_tokenizer(target_path))
+        except Exception:  # FrontModel loads it again and reports the error then
+            pass
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the engine finish its queued jobs, then end its process; False if it was still running
+        after `timeout` (at once once it is abandoned)."""
+        with self._lock:
+            if self.state in (LOADING, READY):
+                self.state = STOPPED
+            if self._abandoned:
+                return False
+        if self.process is None or not self.process.is_alive():
+            return True
+        self._send(("stop", timeout))
+        self.process.join(timeout)
+        return not self.process.is_alive()
+
+    def abort_all(self, reason: str) -> int:
+        """Refuse new jobs and end every job with EngineUnavailable(reason) now; the engine drops them
+        after the round in progress. Returns how many were ended."""
+        with self._lock:
+            if self.state == READY:
+                self.state = STOPPED
+            ended = list(self._jobs.values())
+            self._jobs.clear()
+            self._started.clear()
+        emit_all([(job, EngineUnavailable(reason)) for job in ended])
+        self._send(("abort_all", reason))
+        return len(ended)
+
+    def abandon(self, reason: str) -> int:
+        """For a stuck engine (a hung GPU): end every job as `abort_all` does and kill its process."""
+        with self._lock:
+            self._abandoned = True
+        ended = self.abort_all(reason)
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+        return ended
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def unavailable_reason(self) -> str:
+        return unavailable_reason(self.state)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.state != READY:
+                raise EngineUnavailable(self.unavailable_reason())
+            waiting = len(self._jobs) - len(self._started)
+            if self.max_queued is not None and waiting >= self.max_queued:
+                raise QueueFull(f"{waiting} requests are already waiting for the engine, the most this server "
+                                "queues (--max-queued-requests); retry shortly")
+            if not self._jobs:
+                self._progress_at = time.monotonic()  # an idle engine has not been stalling
+            key = next(self._keys)
+            self._jobs[key] = job
+        job.on_cancel = lambda: self._cancel(key)
+        if not self._send(("submit", key, job.prompt_ids, job.params, job.budget, job.adaptive, job.request_id,
+                           job.arrival)):
+            with self._lock:
+                self._jobs.pop(key, None)
+            raise EngineUnavailable(unavailable_reason(DEAD))
+
+    def _cancel(self, key: int) -> None:
+        if key in self._jobs:  # a finished job's cancel (its handler always calls it) sends nothing
+            self._send(("cancel", key))
+
+    @property
+    def waiting(self) -> int:
+        """Jobs the engine has not yet sent anything for (queued, or their prompt being prefilled)."""
+        with self._lock:
+            return len(self._jobs) - len(self._started)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine's last message while it has jobs; 0 when it has none."""
+        if self.state != READY or not self._jobs:
+            return 0.0
+        return time.monotonic() - self._progress_at
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """The engine's Prometheus text (its worker keeps the metrics), asked over the pipe."""
+        reply_id = next(self._keys)
+        waiter = self._replies[reply_id] = [threading.Event(), None]
+        try:
+            if not self._send(("metrics", reply_id)) or not waiter[0].wait(METRICS_TIMEOUT_S) or waiter[1] is None:
+                raise EngineUnavailable(f"the engine process did not answer for its metrics ({self.state})")
+            return waiter[1]
+        finally:
+            self._replies.pop(reply_id, None)
+
+    # -- the pipe ----------------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> bool:
+        """Send a message to the engine; False when its process is gone."""
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+                return True
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError, AttributeError):
+                return False
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._lost()
+                return
+            self._handle(message)
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "items":
+            self._deliver(message[1])
+        elif kind == "metrics":
+            waiter = self._replies.get(message[1])
+            if waiter is not None:
+                waiter[1] = message[2]
+                waiter[0].set()
+        elif kind == "ready":
+            self._ready(message[1])
+        elif kind == "dead":
+            self._dead(message[1])
+        elif kind == "load_failed":
+            with self._lock:
+                self.state = STOPPED
+            if self._on_load_failure is not None:
+                self._on_load_failure(message[1])
+        # "stopped": the process ends next, which stop() waits for
+
+    def _deliver(self, pairs: list[tuple[int, object]]) -> None:
+        """A round's items to their jobs; a job's last item (its result or an exception) ends it."""
+        out = []
+        with self._lock:
+            self._progress_at = time.monotonic()
+            for key, item in pairs:
+                job = self._jobs.get(key)
+                if job is None:
+                    continue  # ended here already (abort_all)
+                if isinstance(item, BaseException) or item.result is not None:
+                    del self._jobs[key]
+                    self._started.discard(key)
+                else:
+                    self._started.add(key)
+                out.append((job, item))
+        emit_all(out)
+
+    def _ready(self, info) -> None:
+        if self._preload is not None:
+            self._preload.join()
+        try:
+            model = FrontModel(info, self._preloaded)
+        except BaseException as exc:  # the tokenizer did not load here
+            log.exception("the server's front could not load the target's tokenizer")
+            self.abandon("the server's front could not load the target's tokenizer")
+            if self._on_load_failure is not None:
+                self._on_load_failure(exc)
+            return
+        with self._lock:
+            self.llm = model
+            self.tree_budget_mode = info.tree_budget_mode
+            if self.state == LOADING:
+                self.state = READY
+        log.info("the engine runs in process %d", self.process.pid)
+        if self._on_ready is not None:
+            self._on_ready()
+
+    def _dead(self, message: str) -> None:
+        """The engine failed (it has ended its jobs and logged why)."""
+        with self._lock:
+            self.state = DEAD
+            self.error = message
+        self._end_jobs(EngineFailure(message), EngineUnavailable(unavailable_reason(DEAD)))
+        if self.on_death is not None:
+            self.on_death(RuntimeError(message))
+
+    def _lost(self) -> None:
+        """The pipe closed: the engine process ended. Expected once stopped or abandoned; otherwise
+        it died (a crash, the OOM killer), and so did its jobs."""
+        for waiter in list(self._replies.values()):
+            waiter[0].set()
+        if self.process is not None:
+            self.process.join(1)  # it is exiting: its exit code for the log
+        code = self.process.exitcode if self.process is not None else None
+        with self._lock:
+            was = self.state
+            if was in (LOADING, READY):
+                self.state = DEAD
+                self.error = "the engine process ended unexpectedly; see the server log"
+        if was not in (LOADING, READY):
+            return
+        log.error("the engine process ended unexpectedly (exit code %s)", code)
+        self._end_jobs(EngineFailure(self.error), EngineUnavailable(unavailable_reason(DEAD)))
+        if was == LOADING:
+            if self._on_load_failure is not None:
+                self._on_load_failure(RuntimeError(f"the engine process ended while loading (exit code {code})"))
+        elif self.on_death is not None:
+            self.on_death(RuntimeError(self.error))
+
+    def _end_jobs(self, running: BaseException, queued: BaseException) -> None:
+        with self._lock:
+            pairs = [(job, running if key in self._started else queued) for key, job in self._jobs.items()]
+            self._jobs.clear()
+            self._started.clear()
+        emit_all(pairs)

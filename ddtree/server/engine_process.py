@@ -1,0 +1,134 @@
+"""The engine process: `ddtree serve`'s engine, in a process of its own.
+
+The HTTP front (event loop, tokenizer, request checks) and the engine (the `EngineWorker` thread
+that launches every round) used to share one interpreter lock, so the server's Python and the
+engine's took turns and their costs added. Here the engine runs the same `EngineWorker` in a
+forked child, and the two talk over one pipe (`multiprocessing.Pipe`), in messages of plain
+tuples:
+
+    front -> engine   ("submit", key, prompt_ids, params, budget, adaptive, request_id, arrival)
+                      ("cancel", key)  ("metrics", reply_id)  ("abort_all", reason)  ("stop", timeout)
+    engine -> front   ("ready", EngineInfo)  ("load_failed", exception)  ("dead", message)
+                      ("items", [(key, StreamEvent or exception), ...])   one message per round
+                      ("metrics", reply_id, (text, content type))  ("stopped", ok)
+
+The child ignores SIGINT and SIGTERM (the front drains its requests, then sends "stop"), and
+exits when the pipe closes (the front is gone, however it ended). The front's side is
+`ddtree.server.engine_client.EngineClient`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Callable
+
+from ddtree.config import DDTreeError
+from ddtree.server.front_model import EngineInfo
+from ddtree.server.metrics import ServerMetrics
+from ddtree.server.worker import EngineUnavailable, EngineWorker, Job, QueueFull
+
+log = logging.getLogger("ddtree.server")
+
+
+class PipeSender:
+    """The engine's end of the pipe: whole messages, one writer at a time (the engine thread sends
+    each round's items; the loading thread and the main thread send the rest)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.keys: dict[int, int] = {}  # id(Job) -> the front's key, while the job runs
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            try:
+                self.conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                pass  # the front is gone; the main thread exits on the closed pipe
+
+    def items(self, pairs: list[tuple[Job, object]]) -> None:
+        """A `Job.sink`: a round's items for their jobs, one message; a job's last item forgets it."""
+        out = []
+        for job, item in pairs:
+            key = self.keys.get(id(job))
+            if key is None:
+                continue
+            if isinstance(item, BaseException) or item.result is not None:
+                del self.keys[id(job)]
+            out.append((key, item))
+        if out:
+            self.send(("items", out))
+
+
+def run_engine(conn, load: Callable[[], tuple], model_name: str, options: dict, inherited=(),
+               log_level: int = logging.INFO) -> None:
+    """The engine process's main. load() -> (llm, tree budget mode) runs in a thread, so that the
+    pipe is read (/metrics answered) while the model loads. options: EngineWorker's limits.
+    inherited: objects to close that the fork copied (the front's listening sockets)."""
+    for thing in inherited:
+        thing.close()
+    # A spawned process starts with no logging set up (a forked one has the front's: this is a no-op).
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the engine stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sender = PipeSender(conn)
+    worker = EngineWorker(ServerMetrics(model_name), lambda exc: sender.send(("dead", worker.error)),
+                          max_queued=None, **options)  # the front bounds the queue
+    threading.Thread(target=_load_and_attach, args=(load, worker, sender), name="ddtree-load", daemon=True).start()
+    jobs: dict[int, Job] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the front is gone: so is the engine
+        kind = message[0]
+        if kind == "submit":
+            _submit(worker, sender, jobs, *message[1:])
+        elif kind == "cancel":
+            job = jobs.get(message[1])
+            if job is not None:
+                job.cancel()
+        elif kind == "metrics":
+            sender.send(("metrics", message[1], worker.render_metrics()))
+        elif kind == "abort_all":
+            worker.abort_all(message[1])
+        elif kind == "stop":
+            threading.Thread(target=_stop, args=(worker, sender, message[1]), name="ddtree-stop", daemon=True).start()
+        for key in [key for key, job in jobs.items() if id(job) not in sender.keys]:
+            del jobs[key]  # ended: its last item has gone to the front
+    logging.shutdown()
+    os._exit(0)  # no teardown of the model: the front may be exiting within its shutdown timeout
+
+
+def _load_and_attach(load: Callable[[], tuple], worker: EngineWorker, sender: PipeSender) -> None:
+    try:
+        llm, mode = load()
+        worker.attach(llm, mode)
+    except BaseException as exc:  # reported by the front, as one line when it is a DDTreeError
+        if not isinstance(exc, DDTreeError):
+            log.exception("loading the model failed")
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")  # picklable whatever it was
+        sender.send(("load_failed", exc))
+        return
+    sender.send(("ready", EngineInfo.of(llm, mode)))
+
+
+def _submit(worker: EngineWorker, sender: PipeSender, jobs: dict[int, Job], key: int, prompt_ids: list[int], params,
+            budget, adaptive: bool, request_id: str, arrival: float) -> None:
+    job = Job(prompt_ids, params, budget, None, request_id=request_id, adaptive=adaptive, arrival=arrival,
+              sink=sender.items)
+    jobs[key] = job
+    sender.keys[id(job)] = key
+    try:
+        worker.submit(job)
+    except (EngineUnavailable, QueueFull) as exc:
+        sender.items([(job, exc)])
+
+
+def _stop(worker: EngineWorker, sender: PipeSender, timeout: float | None) -> None:
+    """Finish the queued jobs, say so, and end the process (its main thread waits on the pipe)."""
+    sender.send(("stopped", worker.stop(timeout)))
+    logging.shutdown()
+    os._exit(0)
