@@ -200,3 +200,24 @@ def test_serve_without_an_engine_process(demo_pair):
         answer = httpx.post(server.url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6}, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
         assert not Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+
+
+@pytest.mark.parametrize("device", [[], ["--device", "cpu"]], ids=["spawned", "forked"])
+def test_a_model_that_fails_to_load_in_the_engine_process_is_one_line_and_exit_2(demo_pair, tmp_path, device):
+    """Weights that only the engine process reads (the configs pass the front's checks): its
+    error reaches the front, which prints it as one line and exits 2, its engine process gone."""
+    import shutil
+    import subprocess
+    import sys
+
+    from server_process import free_port, quiet_env
+
+    target = tmp_path / "target"
+    shutil.copytree(demo_pair[0], target)
+    (target / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--target", str(target), "--draft", str(demo_pair[1]),
+           "--port", str(free_port()), "--log-level", "error", *device]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=quiet_env())
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ddtree: error:")]
+    assert len(errors) == 1 and "corrupt weight file" in errors[0], out.stderr

@@ -100,7 +100,6 @@ def create_app(llm=None, *, served_model_name: str | None = None, api_key: str |
         worker.attach(llm, tree_budget_mode)
 
     async def lifespan(app: FastAPI):
-        worker.attach_loop(asyncio.get_running_loop())  # an engine process's pipe is read there
         yield
         await run_in_threadpool(worker.stop, limits.shutdown_timeout)
 

@@ -2,8 +2,8 @@
 `ddtree serve` make of an `EngineWorker` (submit, state, /health's facts, stop, abort_all,
 abandon, stalled_for, waiting, render_metrics), answered over the pipe.
 
-The server's event loop reads the pipe (`attach_loop`; elsewhere a thread of its own does): each
-round's items go to their jobs' queues with one wake-up, as the engine thread's do in one process. The front keeps its own view of
+A thread reads the pipe: each round's items go to their jobs' event loops with one wake-up
+(`worker.emit_all`), as the engine thread's do in one process. The front keeps its own view of
 the jobs it has sent, so that it can bound the queue, tell a stalled engine from an idle one, and
 end every job at once when the engine process dies (a crash, the kernel's OOM killer) or is
 abandoned: a running job then gets EngineFailure (500), a queued one EngineUnavailable (503).
@@ -70,7 +70,7 @@ class EngineClient:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, load: Callable[[], tuple], *, fork: bool = True, inherited=(), read_in_loop: bool = False,
+    def start(self, load: Callable[[], tuple], *, fork: bool = True, inherited=(),
               on_ready: Callable[[], None] | None = None,
               on_load_failure: Callable[[BaseException], None] | None = None, target_path=None) -> None:
         """Start the engine process; load() -> (llm, tree budget mode) runs there.
@@ -78,10 +78,8 @@ class EngineClient:
         fork: the child inherits the loaded modules and whatever the launcher patched (tests,
         benchmarks), and `inherited` (the listening sockets) is closed there at once; it needs a
         process that has not touched CUDA (a GPU server spawns: load must then pickle).
-        read_in_loop: the pipe is read by the event loop once `attach_loop` is called (one wake-up
-        a round fewer than a reader thread); else by a thread of its own. on_ready /
-        on_load_failure(exc) are called by the pipe's reader. target_path: the target whose
-        tokenizer this process loads meanwhile (a second or so with transformers)."""
+        on_ready / on_load_failure(exc) are called by the pipe's reader thread. target_path: the
+        target whose tokenizer this process loads meanwhile (a second or so with transformers)."""
         self._on_ready, self._on_load_failure = on_ready, on_load_failure
         context = multiprocessing.get_context("fork" if fork else "spawn")
         front_end, engine_end = context.Pipe()
@@ -94,21 +92,9 @@ class EngineClient:
         if target_path is not None:
             self._preload = threading.Thread(target=self._load_tokenizer, args=(target_path,), daemon=True)
             self._preload.start()
-        if not read_in_loop:
-            threading.Thread(target=self._read, name="ddtree-engine-pipe", daemon=True).start()
-
-    def attach_loop(self, loop) -> None:
-        """Read the pipe on `loop` (started with read_in_loop): a round's items reach their jobs'
-        queues in the callback that reads them."""
-        loop.add_reader(self._conn.fileno(), self._read_ready, loop)
-
-    def _read_ready(self, loop) -> None:
-        try:
-            while self._conn.poll():
-                self._handle(self._conn.recv())
-        except (EOFError, OSError):
-            loop.remove_reader(self._conn.fileno())
-            self._lost()
+        # A thread reads the pipe, not the event loop: uvloop's add_reader would make the pipe
+        # non-blocking, and a message read or written in part would then fail.
+        threading.Thread(target=self._read, name="ddtree-engine-pipe", daemon=True).start()
 
     def _load_tokenizer(self, target_path) -> None:
         try:
@@ -129,6 +115,20 @@ class EngineClient:
         self._send(("stop", timeout))
         self.process.join(timeout)
         return not self.process.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the pipe (the engine process exits when it sees it closed) and wait for the process;
+        kill it if it is still there after `timeout`. For a front that exits without `stop`."""
+        with self._lock:
+            if self.state in (LOADING, READY):
+                self.state = STOPPED
+        if self._conn is not None:
+            self._conn.close()
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout)
 
     def abort_all(self, reason: str) -> int:
         """Refuse new jobs and end every job with EngineUnavailable(reason) now; the engine drops them
@@ -289,9 +289,9 @@ class EngineClient:
         with self._lock:
             self.state = DEAD
             self.error = message
-        self._end_jobs(EngineFailure(message), EngineUnavailable(unavailable_reason(DEAD)))
-        if self.on_death is not None:
+        if self.on_death is not None:  # first, so that /health already says so when the clients hear
             self.on_death(RuntimeError(message))
+        self._end_jobs(EngineFailure(message), EngineUnavailable(unavailable_reason(DEAD)))
 
     def _lost(self) -> None:
         """The pipe closed: the engine process ended. Expected once stopped or abandoned; otherwise
@@ -309,12 +309,12 @@ class EngineClient:
         if was not in (LOADING, READY):
             return
         log.error("the engine process ended unexpectedly (exit code %s)", code)
-        self._end_jobs(EngineFailure(self.error), EngineUnavailable(unavailable_reason(DEAD)))
         if was == LOADING:
             if self._on_load_failure is not None:
                 self._on_load_failure(RuntimeError(f"the engine process ended while loading (exit code {code})"))
-        elif self.on_death is not None:
+        elif self.on_death is not None:  # first, as in `_dead`
             self.on_death(RuntimeError(self.error))
+        self._end_jobs(EngineFailure(self.error), EngineUnavailable(unavailable_reason(DEAD)))
 
     def _end_jobs(self, running: BaseException, queued: BaseException) -> None:
         with self._lock:

@@ -111,7 +111,8 @@ def _load_and_attach(load: Callable[[], tuple], worker: EngineWorker, sender: Pi
             log.exception("loading the model failed")
             exc = RuntimeError(f"{type(exc).__name__}: {exc}")  # picklable whatever it was
         sender.send(("load_failed", exc))
-        return
+        logging.shutdown()
+        os._exit(1)  # nothing to serve: the front reports the failure and exits
     sender.send(("ready", EngineInfo.of(llm, mode)))
 
 

@@ -104,22 +104,19 @@ def emit_all(items: list[tuple[Job, object]]) -> None:
     """Send each job its item from the engine thread, with one wake-up of each event loop (not one
     per job: a batched round's events reach their streams together), or one call of each sink. A
     closed loop means the client is gone: its jobs are cancelled."""
-    by_destination: dict[object, list[tuple[Job, object]]] = {}
+    by_destination: dict[tuple, list[tuple[Job, object]]] = {}
     for job, item in items:
-        by_destination.setdefault(job.sink if job.sink is not None else job.loop, []).append((job, item))
-    running = asyncio._get_running_loop()  # called on a loop (the engine process's pipe read there)
-    for destination, pairs in by_destination.items():
-        if not isinstance(destination, asyncio.AbstractEventLoop):
+        key = ("sink", job.sink) if job.sink is not None else ("loop", job.loop)
+        by_destination.setdefault(key, []).append((job, item))
+    for (kind, destination), pairs in by_destination.items():
+        if kind == "sink":
             destination(pairs)
-            continue
-        if destination is running:
-            _put_all(pairs)
-            continue
-        try:
-            destination.call_soon_threadsafe(_put_all, pairs)
-        except RuntimeError:
-            for job, _ in pairs:
-                job.cancel()
+        else:
+            try:
+                destination.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:
+                for job, _ in pairs:
+                    job.cancel()
 
 
 def _put_all(pairs: list[tuple[Job, object]]) -> None:
@@ -215,9 +212,6 @@ class EngineWorker:
     @property
     def ready(self) -> bool:
         return self.state == READY
-
-    def attach_loop(self, loop) -> None:
-        """The server's event loop has started (an engine thread needs nothing of it)."""
 
     def render_metrics(self) -> tuple[bytes, str]:
         """/metrics: the Prometheus text and its content type."""
@@ -397,7 +391,9 @@ class EngineWorker:
             self._finish(job)
             return
         self._progress_at = time.monotonic()
-        if self._deliver(run, event):
+        if event is None:  # a long prompt, prefilled a chunk a round: its first event comes from `step`
+            runs[id(request)] = (request, run)
+        elif self._deliver(run, event):
             self._finish(job)
         else:
             runs[id(request)] = (request, run)
