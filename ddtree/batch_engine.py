@@ -9,7 +9,9 @@ one sequence (its tree, walk, commit and drafter context) is what `ddtree.engine
 it alone, on that row. Only the forward passes are packed: the linear layers run once over every
 row's tokens, and each row's attention reads its own slots with the meta it would have alone
 (`layers.RowSpan`). Sequences join (`add`: the prompt's prefill) and leave (`remove`) between
-rounds; each keeps its own tree shape, sampling, seed and generator, so its tokens do not depend
+rounds (a prompt of several prefill chunks may join a chunk a round, `add(defer=True)`, so that the
+running sequences wait for one chunk at a time); each keeps its own tree shape, sampling, seed and
+generator, so its tokens do not depend
 on which sequences share its rounds (the tests check them against the single-sequence engine in
 float32). Each row's committed length and next root token live on the device (`n`, `root`, with
 `live` marking the rows that hold a sequence); `Sequence.n` and `root` are the host's copies, read
@@ -83,6 +85,18 @@ class Sequence:
     unfed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class PendingPrefill:
+    """A long prompt prefilled one chunk per round (`BatchEngine.add(defer=True)`): its sequence
+    holds the first free row, not yet live, with the row's n at the tokens prefilled so far."""
+
+    seq: Sequence
+    tokens: torch.Tensor  # [P] the prompt
+    chunks: list  # ddtree.engine.prefill_chunks(P, ...)
+    done: int  # chunks run
+    taps: list[int] | None
+
+
 class BatchEngine:
     def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
@@ -135,6 +149,7 @@ class BatchEngine:
         self.walk_fn = walk
         self.max_rows = max_rows
         self.sequences: list[Sequence] = []
+        self.pending: PendingPrefill | None = None  # a long prompt prefilled a chunk a round (`add(defer=True)`)
         # Per cache row, on the device: the committed length, the next root token and whether a
         # sequence holds the row. Rounds read and advance them there; `Sequence.n` / `root` are the
         # host's copies, read from each round's summary. A free row's n is 0.
@@ -158,16 +173,20 @@ class BatchEngine:
 
     @property
     def free_rows(self) -> int:
-        return self.max_rows - len(self.sequences)
+        """Rows a sequence can join now: none while a deferred prefill holds the first free row."""
+        return 0 if self.pending is not None else self.max_rows - len(self.sequences)
 
     # -- joining and leaving -------------------------------------------------------------------
 
     @torch.inference_mode()
     def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape,
-            feeds_drafter: bool | None = None) -> tuple[Sequence, Step]:
+            feeds_drafter: bool | None = None, defer: bool = False) -> tuple[Sequence, Step | None]:
         """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
         feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
-        for a sequence whose budget may change (`set_budget`)."""
+        for a sequence whose budget may change (`set_budget`). defer: a prompt of more than one
+        prefill chunk has only its first chunk prefilled now, and the rest one chunk a call of
+        `advance_prefill` (between rounds, so that the running sequences wait for one chunk at a
+        time, not the whole prompt); the step is then None, and `advance_prefill` returns it."""
         if not self.free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
         feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
@@ -182,18 +201,46 @@ class BatchEngine:
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         row = len(self.sequences)  # the first free row
         seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
-        logits = self._prefill(seq, prompt)
-        first = choose_tokens(logits, params, generator)[0]
-        self.n[row].fill_(len(prompt))
+        if defer and self._chunked(prompt) and len(prompt) > self.prefill_chunk:
+            tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
+            chunks = prefill_chunks(len(prompt), self.prefill_chunk, self.device)
+            self.pending = PendingPrefill(seq, tokens, chunks, 0, self.feature_layers if feeds_drafter else None)
+            self.advance_prefill()
+            return seq, None
+        return seq, self._start(seq, len(prompt), self._prefill(seq, prompt))
+
+    @torch.inference_mode()
+    def advance_prefill(self) -> tuple[Sequence, Step] | None:
+        """The deferred prefill's next chunk; after its last, the sequence goes live -> (it, the
+        step of its first token); None before that, or when no prefill is deferred."""
+        pending = self.pending
+        if pending is None:
+            return None
+        rows, alone, last = pending.chunks[pending.done]
+        logits = self._prefill_chunk(pending.seq, pending.tokens[rows], alone, last, pending.taps)
+        pending.done += 1
+        # The row's n is the tokens in place: what a round's padding row over it writes lands past them.
+        self.n[pending.seq.row].fill_(rows.stop)
+        pending.seq.n = rows.stop
+        if pending.done < len(pending.chunks):
+            return None
+        self.pending = None
+        return pending.seq, self._start(pending.seq, pending.tokens.shape[0], logits)
+
+    def _start(self, seq: Sequence, prompt_len: int, logits: torch.Tensor) -> Step:
+        """A prefilled sequence goes live: its first token chosen from the prompt's last logits."""
+        row, params = seq.row, seq.params
+        first = choose_tokens(logits, params, seq.generator)[0]
+        self.n[row].fill_(prompt_len)
         self.root[row].copy_(first)
         self.live[row].fill_(True)
-        seq.n, seq.root = len(prompt), int(first)  # host sync: the first token is needed now
+        seq.n, seq.root = prompt_len, int(first)  # host sync: the first token is needed now
         self.sequences.append(seq)
         logprobs = None
         if params.logprobs is not None:
             values = chosen_logprobs(logits, first.reshape(1), params.logprobs)
             logprobs = as_token_logprobs([seq.root], *(t.tolist() for t in values))
-        return seq, Step([seq.root], 0, logprobs)
+        return Step([seq.root], 0, logprobs)
 
     def set_budget(self, seq: Sequence, budget: TreeShape) -> None:
         """The tree shape of `seq`'s next rounds (a drafting one only for a sequence that feeds the
@@ -215,11 +262,18 @@ class BatchEngine:
         live rows stay 0..R-1 (a round of R rows is then always the round of rows 0..R-1); the last
         row becomes free, with n = 0. Stale entries are never read: a sequence reads only slots it
         has written."""
-        self.sequences.remove(seq)
-        last = next((s for s in self.sequences if s.row == len(self.sequences)), None)
-        if last is not None:
-            self._move(last, seq.row)
-        free = len(self.sequences)
+        if self.pending is not None and seq is self.pending.seq:  # its prefill is dropped
+            self.pending = None
+            free = seq.row
+        else:
+            self.sequences.remove(seq)
+            last = next((s for s in self.sequences if s.row == len(self.sequences)), None)
+            if last is not None:
+                self._move(last, seq.row)
+            free = len(self.sequences)
+            if self.pending is not None:  # a deferred prefill keeps the first free row
+                self._move(self.pending.seq, free)
+                free += 1
         self.n[free].zero_()
         self.root[free].zero_()
         self.live[free].fill_(False)
@@ -248,18 +302,29 @@ class BatchEngine:
         kernel plans) is paid once per length, not once per prompt. Longer prompts go in chunks
         (`prefill_chunks`)."""
         taps = self.feature_layers if seq.feeds_drafter else None
-        length = next((x for x in self.prefill_lengths if x >= len(prompt)), None)
-        if length is not None:
+        if not self._chunked(prompt):
             if self.prefill_engine is not None:
                 return self._prefill_through(self.prefill_engine, seq, prompt)
+            length = next(x for x in self.prefill_lengths if x >= len(prompt))
             return self._padded_prefill(seq, prompt, length, taps)
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
         for rows, alone, last in prefill_chunks(len(prompt), self.prefill_chunk, self.device):
-            positions = alone.write_slots
-            meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)], states=True)
-            logits, features = self.target(tokens[rows], positions, meta, self.cache, taps, logit_rows=last)
-            if features is not None:
-                self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
+            logits = self._prefill_chunk(seq, tokens[rows], alone, last, taps)
+        return logits
+
+    def _chunked(self, prompt: list[int]) -> bool:
+        """Whether `prompt` is prefilled at its exact length in chunks (beyond the padded lengths)."""
+        return not self.prefill_lengths or len(prompt) > self.prefill_lengths[-1]
+
+    def _prefill_chunk(self, seq: Sequence, tokens: torch.Tensor, alone: AttentionMeta, last: slice,
+                       taps: list[int] | None) -> torch.Tensor:
+        """One of `prefill_chunks`' forwards (tokens [c] at alone.write_slots) into seq's row -> its
+        logits of rows `last`; the drafter's context too, with `taps`."""
+        positions = alone.write_slots
+        meta = self._packed(positions + seq.first_slot, [(seq, slice(0, positions.shape[0]), alone)], states=True)
+        logits, features = self.target(tokens, positions, meta, self.cache, taps, logit_rows=last)
+        if features is not None:
+            self.drafter.append_context(features, positions, self.draft_cache, slots=positions + seq.first_slot)
         return logits
 
     def _padded_prefill(self, seq: Sequence, prompt: list[int], length: int, taps: list[int] | None) -> torch.Tensor:
@@ -386,7 +451,7 @@ class BatchEngine:
         sequences: the warm-ups then write only free rows' slots."""
         if not self.use_graphs:
             return 0
-        if self.sequences:
+        if self.sequences or self.pending is not None:
             raise RuntimeError("graphs are captured ahead on an engine with no sequences")
         start, count = time.perf_counter(), 0
         if self.prefill_engine is not None:  # the padded prompts' prefill graphs

@@ -6,8 +6,13 @@ request's output (stop rules, text, statistics, log-probs) as `LLM.stream` gives
     for request, event in batch.step():                      # one round of every running request
         ...                                                  # a finished request's event has .result
 
+A prompt longer than one prefill chunk (the LLM's `prefill_chunk`) is prefilled one chunk per
+`step`, after that step's round, so that the running requests wait for one chunk at a time rather
+than the whole prompt: its `add` gives no first event (None), and the step that prefills its last
+chunk gives it; meanwhile no other request joins (`free` is 0).
+
 A request that finishes (stop rule or max_tokens) leaves the batch in the `step` that finishes it;
-`cancel` removes one between steps (a client that went away).
+`cancel` removes one between steps (a client that went away), or drops a prefill under way.
 
 A request added with `adaptive=True` has its tree budget chosen before every round by the LLM's
 `batch_budget` (ddtree.batch_budget), from the whole batch; the others keep theirs, and every
@@ -37,11 +42,13 @@ class BatchedRequest:
 
 
 class BatchedRequests:
-    def __init__(self, llm, max_rows: int, max_nodes: int | None = None):
+    def __init__(self, llm, max_rows: int, max_nodes: int | None = None, defer_long_prompts: bool = True):
         """llm: an `LLM` (its models, tokenizer and limits); max_rows: requests decoding at once;
-        max_nodes: the largest tree a request may use (default: the largest tree budget's)."""
+        max_nodes: the largest tree a request may use (default: the largest tree budget's);
+        defer_long_prompts: prefill a prompt of several chunks a chunk a step (else all at its add)."""
         self.llm = llm
         self.max_rows = max_rows
+        self.defer_long_prompts = defer_long_prompts
         self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes,
                                   prefill_chunk=llm.engine.prefill_chunk, use_graphs=llm.engine.use_graphs,
                                   kv_bucket=llm.engine.kv_bucket, fused_tree=llm.engine.fused_tree,
@@ -50,29 +57,43 @@ class BatchedRequests:
                                   # padded prompts go through the LLM's engine, its prefill graphs
                                   prefill_engine=llm.engine if llm.engine.prefill_lengths else None)
         self.running: list[BatchedRequest] = []
+        self.pending: BatchedRequest | None = None  # its prompt prefilled a chunk a step
 
     @property
     def free(self) -> int:
         """How many more requests can join now."""
         return self.engine.free_rows
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request is decoding or being prefilled."""
+        return bool(self.running) or self.pending is not None
+
     def add(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
-            adaptive: bool = False) -> tuple[BatchedRequest, StreamEvent]:
-        """Prefill a validated request (`LLM.check_request`) -> (its handle, its first event). A
-        request finished by its first token is not kept: its event has the result. adaptive: its
-        budget is chosen each round (`budget` is then only its start; needs the LLM's batch_budget)."""
+            adaptive: bool = False) -> tuple[BatchedRequest, StreamEvent | None]:
+        """Prefill a validated request (`LLM.check_request`) -> (its handle, its first event; None
+        while a long prompt's prefill goes on, a chunk a `step`). A request finished by its first
+        token is not kept: its event has the result. adaptive: its budget is chosen each round
+        (`budget` is then only its start; needs the LLM's batch_budget)."""
         if adaptive and self.llm.batch_budget is None:
             raise ValueError("an adaptive request needs the LLM's batch_budget")
         progress = self.llm.progress(prompt_ids, params, budget, adaptive)
         feeds_drafter = adaptive or budget.drafts  # an adaptive row may draft in any round
-        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter)
+        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter, defer=self.defer_long_prompts)
         request = BatchedRequest(sequence, progress, adaptive)
-        event = progress.add(step)
+        if step is None:
+            self.pending = request
+            return request, None
+        return request, self._started(request, step)
+
+    def _started(self, request: BatchedRequest, step) -> StreamEvent:
+        """Its first token's event; it runs from the next round, unless that token finished it."""
+        event = request.progress.add(step)
         if event is None:
-            self.engine.remove(sequence)
-            return request, progress.final_event()
+            self.engine.remove(request.sequence)
+            return request.progress.final_event()
         self.running.append(request)
-        return request, event
+        return event
 
     def step(self) -> list[tuple[BatchedRequest, StreamEvent]]:
         """One round of every running request -> each one's event (with .result when it finished)."""
@@ -93,11 +114,20 @@ class BatchedRequests:
                 self._leave(request)
                 event = request.progress.final_event()
             events.append((request, event))
+        if self.pending is not None:  # a long prompt's next chunk, after the round
+            started = self.engine.advance_prefill()
+            if started is not None:
+                request, self.pending = self.pending, None
+                events.append((request, self._started(request, started[1])))
         return events
 
     def cancel(self, request: BatchedRequest) -> None:
-        """Remove a running request (its client went away); nothing more is decoded for it."""
-        if request in self.running:
+        """Remove a running request (its client went away), or drop its prefill under way; nothing
+        more is decoded for it."""
+        if request is self.pending:
+            self.pending = None
+            self.engine.remove(request.sequence)
+        elif request in self.running:
             self._leave(request)
 
     def _leave(self, request: BatchedRequest) -> None:

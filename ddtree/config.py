@@ -26,6 +26,9 @@ class DDTreeError(ValueError):
 
 
 MAX_TREE_BUDGET = 4096
+# Tokens per forward of a long prompt's prefill: bounds its activations and, in a batch, how long
+# the running requests wait for a joining prompt (a chunk a round).
+PREFILL_CHUNK = 4096
 _DIGITS = re.compile(r"[0-9]{1,9}")  # more digits than this are over MAX_TREE_BUDGET anyway
 GREEDY_BELOW = 1e-5
 

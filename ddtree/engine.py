@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.bounded_compile import CompiledForFirstSizes
-from ddtree.config import MAX_TREE_BUDGET, SamplingParams
+from ddtree.config import MAX_TREE_BUDGET, PREFILL_CHUNK, SamplingParams  # noqa: F401 (PREFILL_CHUNK: for callers)
 from ddtree.logprobs import RoundLogprobs, TokenLogprob, as_token_logprobs, chosen_logprobs
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.layers import AttentionMeta
@@ -60,7 +60,6 @@ from ddtree.tree_shape import TreeShape
 log = logging.getLogger("ddtree.engine")
 
 PREFILL_PAD_MAX = 1024  # longer prompts are prefilled eagerly, in chunks (prefill_chunks)
-PREFILL_CHUNK = 4096  # tokens per forward of an eager prefill: bounds its activations
 WALK_COMPILED_SIZES = 32  # tree sizes (budgets) whose walk is compiled; the rest run it eagerly
 
 

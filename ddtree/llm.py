@@ -374,11 +374,11 @@ class LLM(RequestChecks):
         results: list[GenerationResult | None] = [None] * len(ids)
         index_of: dict[int, int] = {}
         waiting = list(range(len(ids)))
-        while waiting or batch.running:
+        while waiting or batch.busy:
             while waiting and batch.free:
                 i = waiting.pop(0)
                 request, event = batch.add(ids[i], params[i], budgets[i], adaptive)
-                if event.result is not None:
+                if event is not None and event.result is not None:
                     results[i] = event.result
                 else:
                     index_of[id(request)] = i

@@ -122,7 +122,8 @@ def test_greedy_generation_is_the_same(pair, p, budget):
 
 
 def test_batched_rows_with_long_prompts_equal_their_solo_runs(pair, monkeypatch):
-    """Rows prefilled in chunks (each chunk packed as its row alone) equal one-forward solo runs."""
+    """Rows prefilled in chunks (each chunk packed as its row alone, a chunk a round beside rows
+    mid-decode) equal one-forward solo runs."""
     chunked, whole = pair
     batch = chunked.batched()
     cases = [(random_prompt(50, 1), 8), (random_prompt(5, 2), "ar"), (random_prompt(64, 3), "chain")]
@@ -136,11 +137,84 @@ def test_batched_rows_with_long_prompts_equal_their_solo_runs(pair, monkeypatch)
             outputs[id(request)][1].extend(event.token_ids)
 
     for i, (prompt, budget) in enumerate(cases):
+        while not batch.free:  # a long prompt's prefill holds the first free row until it is done
+            step()
         request, event = batch.add(prompt, params, parse_tree_budget(budget))
-        outputs[id(request)] = (i, list(event.token_ids))
+        outputs[id(request)] = (i, list(event.token_ids) if event is not None else [])
         step()  # rows join between rounds: a prefill's chunks write beside rows mid-decode
-    assert lengths[:4] == [16, 16, 16, 2]
-    while batch.running:
+    assert lengths[:4] == [16, 16, 16, 2]  # nothing else was running: a chunk a step, no round
+    while batch.busy:
         step()
     for i, tokens in outputs.values():
         assert tokens == expected[i], cases[i][1]
+
+
+def run_batch(batch, joins: list[tuple], cancel_at: dict[int, int] | None = None, steps: int = 200):
+    """Steps `batch`, adding joins[i] = (step, prompt, params, budget) before that step once a row
+    is free (in order), and cancelling join i before step cancel_at[i]. -> (tokens per join, the
+    steps at which each join got an event)."""
+    tokens, seen, handles, keys = {}, {}, {}, {}
+    cancel_at = cancel_at or {}
+    waiting = list(range(len(joins)))
+    for k in range(steps):
+        for i, at in cancel_at.items():
+            if at == k and i in handles:
+                batch.cancel(handles[i])
+        while waiting and joins[waiting[0]][0] <= k and batch.free:
+            i = waiting.pop(0)
+            request, event = batch.add(*joins[i][1:])
+            handles[i], keys[id(request)], tokens[i], seen[i] = request, i, [], []
+            if event is not None:
+                tokens[i] += event.token_ids
+        if not waiting and not batch.busy:
+            break
+        for request, event in batch.step():
+            i = keys[id(request)]
+            tokens[i] += event.token_ids
+            seen[i].append(k)
+    return tokens, seen
+
+
+def test_running_rows_get_a_round_every_step_while_a_long_prompt_joins(pair):
+    """A running row is not held up by a long prompt's prefill: one chunk a step after its round."""
+    chunked, whole = pair
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    short, long = (random_prompt(6, 4), 8), (random_prompt(50, 5), "chain")
+    joins = [(0, short[0], params, parse_tree_budget(short[1])), (2, long[0], params, parse_tree_budget(long[1]))]
+    tokens, seen = run_batch(chunked.batched(), joins)
+    for i, (prompt, budget) in enumerate((short, long)):
+        assert tokens[i] == whole.generate(prompt, params, tree_budget=budget).token_ids
+    # 50 tokens are 4 chunks: the first at its add (before step 2's round), then one after each
+    # round, so its first token comes with step 4; the running row had a round at every step.
+    assert seen[1][0] == 4
+    assert all(k in seen[0] for k in range(2, 5))
+
+
+def test_a_row_leaving_or_a_cancel_during_a_deferred_prefill(pair):
+    """A row that finishes while a long prompt is being prefilled frees its row: the prefill under
+    way moves down with it (its KV, drafter context and recurrent state so far); a cancelled
+    prefill frees its row, and every other row still equals its solo run."""
+    chunked, whole = pair
+    quick = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    cases = [(0, random_prompt(5, 6), quick, 8), (0, random_prompt(7, 7), params, "ar"),
+             (0, random_prompt(64, 8), params, 8), (3, random_prompt(40, 9), params, "chain"),
+             (4, random_prompt(9, 10), params, 8)]
+    joins = [(k, p, s, parse_tree_budget(b)) for k, p, s, b in cases]
+    # Join 0 finishes in step 0's round, while join 2's prefill (4 chunks: its add, then steps 0-2)
+    # holds row 2: join 1 moves to row 0, the prefill to row 1. Join 3 (40 tokens: 3 chunks) is
+    # added at step 3 and cancelled before step 4 would finish it; join 4 then takes its row.
+    tokens, seen = run_batch(chunked.batched(), joins, cancel_at={3: 4})
+    for i in (0, 1, 2, 4):
+        _, prompt, sampling, budget = cases[i]
+        assert tokens[i] == whole.generate(prompt, sampling, tree_budget=budget).token_ids, i
+    assert seen[0] == [0] and seen[2][0] == 2 and seen[3] == [] and seen[4][0] == 4
+
+
+def test_generate_with_several_prompts_some_long(pair):
+    """`LLM.generate` with several prompts batches them, long ones a chunk a round."""
+    chunked, whole = pair
+    prompts = [random_prompt(50, 11), random_prompt(6, 12), random_prompt(33, 13), random_prompt(8, 14)]
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    got = chunked.generate(prompts, params, tree_budget=8)
+    assert [r.token_ids for r in got] == [whole.generate(p, params, tree_budget=8).token_ids for p in prompts]

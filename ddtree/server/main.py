@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from ddtree.cli_args import add_model_args
-from ddtree.config import DDTreeError, parse_tree_budget
+from ddtree.config import PREFILL_CHUNK, DDTreeError, parse_tree_budget
 from ddtree.server.limits import ServerLimits
-from ddtree.flags import PORT
+from ddtree.flags import PORT, int_at_least
 from ddtree.model_pair import check_budget_has_drafter, check_pair_configs
 from ddtree.tree_shape import TreeShape
 
@@ -65,7 +65,7 @@ LIMIT_FLAGS = {
                                  "manager restarts it; 0: never"),
 }
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
-             "served_model_name", "api_key", "log_level", "warmup", "engine_process", *LIMIT_FLAGS)
+             "served_model_name", "api_key", "log_level", "warmup", "engine_process", "prefill_chunk", *LIMIT_FLAGS)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -90,6 +90,10 @@ def register(subparsers) -> None:
                         "batched rounds' every row bucket and KV bucket) before serving: no capture pauses on "
                         "first requests, for start-up time and GPU memory (a logits buffer per KV bucket); "
                         "DDTREE_WARMUP=1 sets it")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=PREFILL_CHUNK,
+                   help="most tokens of a long prompt one forward prefills (its activation memory grows with "
+                        f"it); with --max-num-seqs above 1, a prompt joins a running batch a chunk a round, so "
+                        f"the requests decoding wait for one chunk at a time (default {PREFILL_CHUNK})")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so that the HTTP server's Python and the "
                         "engine's never wait for each other's interpreter lock (default); --no-engine-process "
@@ -121,7 +125,7 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
     fixed = budget not in (None, "auto")
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               use_draft=not fixed or budget.drafts or args.draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None),
-              **({"tree_budget": budget} if fixed else {}))
+              prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK), **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
         from ddtree.bench.tune import resolve_auto_budgets, resolve_context_budgets
         from ddtree.temperature_buckets import GREEDY
@@ -297,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # a launcher patched); spawned where CUDA may run, since this process may have asked CUDA
         # whether it is there (a forked child could not use it then).
         engine.start(functools.partial(load_for_serving, args, budget, warmup, limits.max_tree_budget),
-                     fork=args.device == "cpu", inherited=sockets, read_in_loop=True, on_ready=serving,
+                     fork=args.device == "cpu", inherited=sockets, on_ready=serving,
                      on_load_failure=load_failed, target_path=Path(args.target or DEFAULT_TARGET))
     # uvicorn drains on SIGTERM and then re-raises the signal to the handler found before it started;
     # a no-op handler there makes a drained shutdown exit 0 instead of dying by the signal.
@@ -306,6 +310,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=load, name="ddtree-load", daemon=True).start()
     server.run(sockets=sockets)
     error = outcome.get("error")
+    if error is not None and engine is not None:
+        engine.close()  # this process exits normally now, and would wait for its child
     if isinstance(error, DDTreeError):
         raise error
     if error is not None:
