@@ -221,3 +221,18 @@ def test_a_model_that_fails_to_load_in_the_engine_process_is_one_line_and_exit_2
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("ddtree: error:")]
     assert len(errors) == 1 and "corrupt weight file" in errors[0], out.stderr
+
+
+def test_the_engine_process_exits_when_the_server_dies(demo_pair):
+    """However the front ends (here SIGKILL, no goodbye), its engine process sees the pipe close."""
+    server = LiveServer(*demo_pair, "--tree-budget", "16", api_key=None).wait_ready()
+    try:
+        engine = engine_pid(server.proc.pid)
+        server.proc.kill()
+        server.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{engine}").exists() and "zombie" not in Path(f"/proc/{engine}/status").read_text():
+            assert time.monotonic() < deadline, "the engine process outlived its server"
+            time.sleep(0.1)
+    finally:
+        server.kill()

@@ -83,9 +83,12 @@ class EngineClient:
         self._on_ready, self._on_load_failure = on_ready, on_load_failure
         context = multiprocessing.get_context("fork" if fork else "spawn")
         front_end, engine_end = context.Pipe()
+        # A forked child closes its copies of the front's end of the pipe (else it would never see the
+        # pipe close when the front dies) and of the listening sockets; a spawned one has none.
+        inherited = (*inherited, front_end) if fork else ()
         self.process = context.Process(target=run_engine, name="ddtree-engine",
-                                       args=(engine_end, load, self.model_name, self.options,
-                                             tuple(inherited) if fork else (), logging.getLogger().level))
+                                       args=(engine_end, load, self.model_name, self.options, inherited,
+                                             logging.getLogger().level))
         self.process.start()
         engine_end.close()
         self._conn = front_end

@@ -66,7 +66,8 @@ def run_engine(conn, load: Callable[[], tuple], model_name: str, options: dict, 
                log_level: int = logging.INFO) -> None:
     """The engine process's main. load() -> (llm, tree budget mode) runs in a thread, so that the
     pipe is read (/metrics answered) while the model loads. options: EngineWorker's limits.
-    inherited: objects to close that the fork copied (the front's listening sockets)."""
+    inherited: objects to close that the fork copied (the front's listening sockets and its end of
+    the pipe)."""
     for thing in inherited:
         thing.close()
     # A spawned process starts with no logging set up (a forked one has the front's: this is a no-op).
