@@ -236,3 +236,27 @@ def test_the_engine_process_exits_when_the_server_dies(demo_pair):
             time.sleep(0.1)
     finally:
         server.kill()
+
+
+def test_metrics_and_health_answer_while_the_engine_process_loads(demo_pair):
+    """The engine process reads its pipe while its model loads (in a thread): /metrics answers
+    from the start, /health says "loading" until the engine is ready."""
+    server = LiveServer(*demo_pair, api_key=None)  # no --tree-budget: start-up times round costs
+    try:
+        seen_loading = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(server.url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            if health.status_code == 200:
+                break
+            assert health.json()["status"] == "loading"
+            metrics = httpx.get(server.url + "/metrics", timeout=15)
+            assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+            seen_loading = True
+        assert seen_loading, "the engine was ready before /metrics could be asked while loading"
+    finally:
+        server.kill()
