@@ -41,3 +41,22 @@ def test_server_overhead_batched_replay_streams_every_request_whole(tmp_path):
     assert result["concurrency"] == 4 and result["tokens_per_request"] == 16
     assert result["aggregate_tokens_per_s"] > 0 and result["in_process_tokens_per_s"] > 0
     assert result["http_over_in_process"] == result["aggregate_tokens_per_s"] / result["in_process_tokens_per_s"]
+
+
+def test_http_against_in_process_reports_each_mode_and_budget(tmp_path):
+    """benchmarks/http_against_in_process.py at a tiny scale: the in-process bench, then a server
+    per mode benched over HTTP, every request complete both ways, and the ratio of the two."""
+    out = tmp_path / "http.json"
+    cmd = [sys.executable, "-m", "benchmarks.http_against_in_process", str(out), "--tree-budgets", "ar,16",
+           "--num-prompts", "2", "--max-tokens", "6", "--modes", "process,thread", "--device", "cpu",
+           "--max-model-len", "1024", "--port", str(free_port())]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"process", "thread"}
+    for mode in result["modes"].values():
+        assert set(mode["budgets"]) == {"ar", "16"}
+        for row in mode["budgets"].values():
+            assert row["completed"] == {"http": 2, "in_process": 2}
+            assert row["http_over_in_process"] > 0
+    assert (tmp_path / "http_offline.json").exists() and (tmp_path / "http_process.json").exists()
