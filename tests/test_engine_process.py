@@ -181,6 +181,7 @@ def test_serve_exits_1_when_its_engine_process_dies(demo_pair):
                         api_key=None).wait_ready()
     try:
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
+        assert httpx.get(server.url + "/health").json()["engine"] == "process"
         os.kill(engine_pid(server.proc.pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while (health := httpx.get(server.url + "/health", timeout=5)).status_code == 200:
@@ -199,6 +200,7 @@ def test_serve_without_an_engine_process(demo_pair):
     with LiveServer(*demo_pair, "--no-engine-process", "--tree-budget", "16", api_key=None) as server:
         answer = httpx.post(server.url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6}, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+        assert httpx.get(server.url + "/health").json()["engine"] == "thread"
         assert not Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
 
 

@@ -215,7 +215,7 @@ def _add_info_routes(app: FastAPI, worker: EngineWorker, model_name: str, limits
                 "max_draft_len": max(llm.block_size - 1, 0), "tree_budget": llm.default_budget.label,
                 "tree_budget_mode": worker.tree_budget_mode, "max_model_len": llm.max_model_len,
                 "max_num_seqs": getattr(llm, "max_num_seqs", 1),
-                "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", "")}
+                "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""), "engine": worker.kind}
 
     @app.get("/version")
     async def version():

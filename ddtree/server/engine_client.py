@@ -42,6 +42,8 @@ class EngineClient:
     """An engine in a child process. `start(load)` forks it (before any other thread of this process
     starts: a fork copies only the calling thread); it answers 503 until the engine is ready."""
 
+    kind = "process"  # /health's "engine"
+
     def __init__(self, model_name: str, on_death: Callable[[BaseException], None] | None = None,
                  max_queued: int | None = None, max_cached_budgets: int | None = None,
                  max_tree_budget: int | None = None):

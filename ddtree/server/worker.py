@@ -125,6 +125,8 @@ def _put_all(pairs: list[tuple[Job, object]]) -> None:
 
 
 class EngineWorker:
+    kind = "thread"  # /health's "engine": this worker runs in the server's process
+
     def __init__(self, metrics: ServerMetrics, on_death: Callable[[BaseException], None] | None = None,
                  max_queued: int | None = None, max_cached_budgets: int | None = None,
                  max_tree_budget: int | None = None):
