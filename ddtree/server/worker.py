@@ -393,9 +393,8 @@ class EngineWorker:
             self._finish(job)
             return
         self._progress_at = time.monotonic()
-        if event is None:  # a long prompt, prefilled a chunk a round: its first event comes from `step`
-            runs[id(request)] = (request, run)
-        elif self._deliver(run, event):
+        # No event yet for a long prompt prefilled a chunk a round: its first comes from `step`.
+        if event is not None and self._deliver(run, event):
             self._finish(job)
         else:
             runs[id(request)] = (request, run)
