@@ -97,7 +97,7 @@ class ReplayedRequest:
 
 class ReplayingBatch:
     """A stand-in for `ddtree.batching.BatchedRequests` (module docstring): `add`, `step`, `cancel`,
-    `free`, `running`. Each round costs `engine_us` + `row_us` per row, `host_fraction` of it busy."""
+    `free`, `fits`, `running`. Each round costs `engine_us` + `row_us` per row, `host_fraction` of it busy."""
 
     def __init__(self, llm, tokens: list[int], accept: int, engine_us: float, row_us: float,
                  host_fraction: float, max_rows: int):
@@ -108,6 +108,9 @@ class ReplayingBatch:
     @property
     def free(self) -> int:
         return self.max_rows - len(self.running)
+
+    def fits(self, prompt_len, params, budget, adaptive: bool = False) -> bool:
+        return self.free > 0
 
     def add(self, prompt_ids, params, budget, adaptive: bool = False):
         from ddtree.engine import Step

@@ -1,12 +1,16 @@
 """Many sequences decoded together: each round drafts every live sequence's block in one drafter
 pass and verifies every sequence's tree in one target forward.
 
-A sequence owns a row of the caches: slots [row * S, (row + 1) * S) of the target's and the
-drafter's KV caches, S = max_model_len + the largest tree + 1. The R live sequences hold rows
-0..R-1: when one leaves, the sequence in the last row moves into its row (its committed entries,
-`KVCache.copy_span`). Inside its row a sequence's slots equal its positions, so all that concerns
-one sequence (its tree, walk, commit and drafter context) is what `ddtree.engine.Engine` does for
-it alone, on that row. Only the forward passes are packed: the linear layers run once over every
+A sequence owns a row of the batch and a region of the caches: contiguous slots of the target's
+and the drafter's KV caches, sized by what it can reach (its prompt, its max_new tokens and its
+largest tree, `region_slots`), taken from one pool (`ddtree.kv_regions.SlotRegions`) whose size is
+the caller's (`cache_slots`: by default room for max_rows sequences at the context limit; a server
+sizes it from the device's free memory), so that the sequences at once are bounded by their
+lengths, not by max_model_len. The R live sequences hold rows 0..R-1: when one leaves, the sequence
+in the last row takes its row (a row is an index into the device table `first_slot`; the region
+and its entries stay where they are). Inside its region a sequence's slots equal its positions, so
+all that concerns one sequence (its tree, walk, commit and drafter context) is what
+`ddtree.engine.Engine` does for it alone. Only the forward passes are packed: the linear layers run once over every
 row's tokens, and each row's attention reads its own slots with the meta it would have alone
 (`layers.RowSpan`). Sequences join (`add`: the prompt's prefill) and leave (`remove`) between
 rounds (a prompt of several prefill chunks may join a chunk a round, `add(defer=True)`, so that the
@@ -55,6 +59,7 @@ import torch.nn.functional as F
 from ddtree.batch_round import UniformRounds, row_bucket
 from ddtree.config import MAX_TREE_BUDGET, SamplingParams
 from ddtree.engine import PREFILL_CHUNK, PREFILL_PAD_MAX, Step, prefill_chunks, prefill_lengths
+from ddtree.kv_regions import SlotRegions
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
 from ddtree.models.layers import AttentionMeta, RowSpan
 from ddtree.recurrent_state import HybridCache
@@ -72,8 +77,10 @@ class Sequence:
     """One request's decoding state: its cache row, committed length `n` (tokens whose KV entries
     are in place), the next root token (the last token emitted), its sampling and tree shape."""
 
-    row: int  # its cache row: the R live sequences hold rows 0..R-1 (`BatchEngine.remove` keeps them so)
-    first_slot: int
+    row: int  # its row of the batch: the R live sequences hold rows 0..R-1 (`BatchEngine.remove` keeps them so)
+    first_slot: int  # its cache region: slots [first_slot, first_slot + slots)
+    slots: int
+    max_nodes: int  # the largest tree its region has room for
     params: SamplingParams
     budget: TreeShape
     generator: torch.Generator | None
@@ -97,13 +104,19 @@ class PendingPrefill:
     taps: list[int] | None
 
 
+def longest_region(max_model_len: int, max_nodes: int, block_size: int) -> int:
+    """The slots of a sequence at the context limit running trees of max_nodes nodes."""
+    return max_model_len + max(max_nodes, block_size) + 1
+
+
 class BatchEngine:
     def __init__(self, target, drafter, max_model_len: int, max_rows: int, max_nodes: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
+                 cache_slots: int | None = None, prefill_chunk: int = PREFILL_CHUNK, use_graphs: bool | None = None, kv_bucket: int | None = None,
                  pad_rows: bool | None = None, compile_layers: bool | None = None, fused_tree: bool | None = None,
                  padded_prefill: bool | None = None, prefill_engine=None):
         """max_rows: sequences at once; max_nodes: the largest tree a sequence may use (default:
-        that of the largest tree budget); prefill_chunk: the most tokens of a prompt one forward
+        that of the largest tree budget); cache_slots: the KV slots the sequences' regions share
+        (default: max_rows regions of the longest, `row_slots`; at least one); prefill_chunk: the most tokens of a prompt one forward
         prefills (`ddtree.engine.prefill_chunks`). For the rounds whose rows share one tree shape
         (ddtree.batch_round): use_graphs (default: on CUDA) captures them as CUDA graphs; kv_bucket
         (default: 256 with graphs, else 1) rounds their KV length up; pad_rows (default: use_graphs)
@@ -126,10 +139,19 @@ class BatchEngine:
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
         self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
         self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
-        self.row_slots = max_model_len + max(self.max_nodes, self.block_size) + 1
-        self.cache = target.new_cache(max_rows * self.row_slots, self.device, self.dtype)
+        self.row_slots = longest_region(max_model_len, self.max_nodes, self.block_size)
+        self.cache_slots = max_rows * self.row_slots if cache_slots is None else cache_slots
+        if self.cache_slots < self.row_slots:
+            raise ValueError(f"cache_slots={self.cache_slots} cannot hold one sequence at the context limit "
+                             f"({self.row_slots} slots: max_model_len {max_model_len} and a tree of {self.max_nodes})")
+        self.regions = SlotRegions(self.cache_slots)
+        # Past the pool, the slots of every row no sequence holds: a round's padding rows (n = 0)
+        # write their trees and blocks there, and read nothing any sequence wrote.
+        self.spare_slot = self.cache_slots
+        self.total_slots = self.cache_slots + max(self.max_nodes, self.block_size) + 1
+        self.cache = target.new_cache(self.total_slots, self.device, self.dtype)
         self.hybrid = bool(getattr(target.config, "hybrid", False))
-        self.kv = self.cache.kv if self.hybrid else self.cache  # the attention layers' KV, rows of row_slots
+        self.kv = self.cache.kv if self.hybrid else self.cache  # the attention layers' KV
         if self.hybrid:
             # A hybrid target's recurrent layers: each cache row's own state and conv windows (row
             # 0's are the cache's), and the stash its verify leaves for the commit (`ensure_scratch`).
@@ -141,7 +163,7 @@ class BatchEngine:
         self.draft_noise = None
         if drafter is not None:
             drafter.fuse_projections()
-            self.draft_cache = drafter.new_cache(max_rows * self.row_slots, self.device, self.dtype)
+            self.draft_cache = drafter.new_cache(self.total_slots, self.device, self.dtype)
             mask = torch.full((self.block_size,), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
             with torch.no_grad():  # the block's b - 1 mask tokens, which never change (as `Engine`)
                 self.draft_noise = target.embed_tokens(mask) * drafter.config.input_embedding_scale
@@ -156,6 +178,10 @@ class BatchEngine:
         self.n = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.root = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.live = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
+        # Each row's first cache slot (its sequence's region; the spare slots for a free row) on the
+        # device, which the rounds' attention, KV writes and commits add to positions, and the host's copy.
+        self.first_slot = torch.full((max_rows,), self.spare_slot, dtype=torch.long, device=self.device)
+        self.row_first_slots = [self.spare_slot] * max_rows
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         if self.use_graphs if compile_layers is None else compile_layers:
             target.use_compiled()
@@ -176,13 +202,31 @@ class BatchEngine:
         """Rows a sequence can join now: none while a deferred prefill holds the first free row."""
         return 0 if self.pending is not None else self.max_rows - len(self.sequences)
 
+    def span(self, nodes: int) -> int:
+        """Slots past a sequence's committed tokens that a round of `nodes` tree nodes writes (its
+        tree, or the drafter's block)."""
+        return max(nodes, self.block_size)
+
+    def region_slots(self, prompt_len: int, max_new: int | None = None, max_nodes: int | None = None) -> int:
+        """The region a sequence of `prompt_len` prompt tokens, up to max_new more (default: to the
+        context limit) and trees of up to max_nodes nodes (default: the engine's largest) holds."""
+        tokens = self.max_model_len if max_new is None else min(prompt_len + max_new, self.max_model_len)
+        return tokens + self.span(self.max_nodes if max_nodes is None else max_nodes) + 1
+
+    def fits(self, prompt_len: int, max_new: int | None = None, max_nodes: int | None = None) -> bool:
+        """Whether such a sequence can join now (a free row and a free region for it)."""
+        return bool(self.free_rows) and self.regions.largest_free >= self.region_slots(prompt_len, max_new, max_nodes)
+
     # -- joining and leaving -------------------------------------------------------------------
 
     @torch.inference_mode()
     def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape,
-            feeds_drafter: bool | None = None, defer: bool = False) -> tuple[Sequence, Step | None]:
-        """Prefill `prompt` into a free row -> (its sequence, the step of its first token).
-        feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
+            feeds_drafter: bool | None = None, defer: bool = False, max_new: int | None = None,
+            max_nodes: int | None = None) -> tuple[Sequence, Step | None]:
+        """Prefill `prompt` into a free row -> (its sequence, the step of its first token). Its
+        region (`region_slots`) has room for max_new more tokens (default: to the context limit;
+        the rounds past them are the caller's to stop) and trees of up to max_nodes nodes (default:
+        the engine's largest; `set_budget` keeps under it). feeds_drafter: keep the drafter's context whatever the budget (default: when it drafts),
         for a sequence whose budget may change (`set_budget`). defer: a prompt of more than one
         prefill chunk has only its first chunk prefilled now, and the rest one chunk a call of
         `advance_prefill` (between rounds, so that the running sequences wait for one chunk at a
@@ -192,15 +236,26 @@ class BatchEngine:
         feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
         if feeds_drafter and self.drafter is None:
             raise ValueError("tree budgets other than 'ar' need a drafter")
-        self._check_nodes(budget)
+        max_nodes = self.max_nodes if max_nodes is None else max_nodes
+        if max_nodes > self.max_nodes:
+            raise ValueError(f"max_nodes={max_nodes}: this engine holds trees of at most {self.max_nodes} nodes")
+        self._check_nodes(budget, max_nodes)
         if not 0 < len(prompt) < self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit the context limit of {self.max_model_len}")
+        if max_new is not None and max_new < 1:
+            raise ValueError(f"max_new must be >= 1, got {max_new}")
+        slots = self.region_slots(len(prompt), max_new, max_nodes)
+        first = self.regions.allocate(slots)
+        if first is None:
+            raise RuntimeError(f"no free cache region of {slots} slots (the largest is {self.regions.largest_free}); "
+                               "remove a sequence first")
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         row = len(self.sequences)  # the first free row
-        seq = Sequence(row, row * self.row_slots, params, budget, generator, feeds_drafter)
+        seq = Sequence(row, first, slots, max_nodes, params, budget, generator, feeds_drafter)
+        self._place(seq, row)
         if defer and self._chunked(prompt) and len(prompt) > self.prefill_chunk:
             tokens = torch.tensor(prompt, dtype=torch.long, device=self.device)
             chunks = prefill_chunks(len(prompt), self.prefill_chunk, self.device)
@@ -248,20 +303,22 @@ class BatchEngine:
         if budget.drafts and not seq.feeds_drafter:
             raise ValueError(f"tree budget {budget} drafts, and this sequence was added without the drafter's "
                              "context (add it with feeds_drafter=True)")
-        self._check_nodes(budget)
+        self._check_nodes(budget, seq.max_nodes)
         seq.budget = budget
 
-    def _check_nodes(self, budget: TreeShape) -> None:
-        if budget.nodes(self.block_size) > self.max_nodes:
+    def _check_nodes(self, budget: TreeShape, max_nodes: int | None = None) -> None:
+        max_nodes = self.max_nodes if max_nodes is None else max_nodes
+        if budget.nodes(self.block_size) > max_nodes:
             raise ValueError(f"tree budget {budget} needs {budget.nodes(self.block_size)} nodes; "
-                             f"this engine holds at most {self.max_nodes}")
+                             f"this {'sequence' if max_nodes < self.max_nodes else 'engine'} holds at most {max_nodes}")
 
     @torch.inference_mode()
     def remove(self, seq: Sequence) -> None:
-        """The sequence leaves. The sequence in the last live row moves into its row, so that the
-        live rows stay 0..R-1 (a round of R rows is then always the round of rows 0..R-1); the last
-        row becomes free, with n = 0. Stale entries are never read: a sequence reads only slots it
-        has written."""
+        """The sequence leaves and its region is freed. The sequence in the last live row moves into
+        its row, so that the live rows stay 0..R-1 (a round of R rows is then always the round of
+        rows 0..R-1); the last row becomes free, with n = 0, over the spare slots. Stale entries are
+        never read: a sequence reads only slots it has written."""
+        self.regions.release(seq.first_slot)
         if self.pending is not None and seq is self.pending.seq:  # its prefill is dropped
             self.pending = None
             free = seq.row
@@ -277,22 +334,24 @@ class BatchEngine:
         self.n[free].zero_()
         self.root[free].zero_()
         self.live[free].fill_(False)
+        self.first_slot[free].fill_(self.spare_slot)
+        self.row_first_slots[free] = self.spare_slot
+
+    def _place(self, seq: Sequence, row: int) -> None:
+        """Point `row` at seq's region."""
+        seq.row = row
+        self.first_slot[row].fill_(seq.first_slot)
+        self.row_first_slots[row] = seq.first_slot
 
     def _move(self, seq: Sequence, row: int) -> None:
-        """Move `seq` into the free cache `row`: its committed entries (target and drafter, slots
-        [0, n) of its row; a hybrid's recurrent state and conv windows), its device n and root, and
-        the slots of its unfed `ar` tokens."""
-        first = row * self.row_slots
-        self.kv.copy_span(seq.first_slot, first, seq.n)
+        """Move `seq` into the free `row`: its device n, root and first slot (its region and KV
+        entries stay where they are) and a hybrid's recurrent state and conv windows, which are the
+        row's."""
         if self.hybrid:
             self.row_states[row].copy_from(self.row_states[seq.row])
-        if seq.feeds_drafter:
-            self.draft_cache.copy_span(seq.first_slot, first, seq.n)
-        shift = first - seq.first_slot
-        seq.unfed = [(features, positions, slots + shift) for features, positions, slots in seq.unfed]
         self.n[row].copy_(self.n[seq.row])
         self.root[row].copy_(self.root[seq.row])
-        seq.row, seq.first_slot = row, first
+        self._place(seq, row)
 
     def _prefill(self, seq: Sequence, prompt: list[int]) -> torch.Tensor:
         """The prompt's forwards into the row -> logits [1, V] of its last token (float32); the
@@ -370,9 +429,10 @@ class BatchEngine:
 
     def _kv_len(self, seq: Sequence) -> int:
         """Slots of its row a round of `seq` reads: its context, then its tree or block (as `Engine`)."""
-        needed = seq.n + max(seq.budget.nodes(self.block_size), self.block_size)
-        if needed > self.row_slots:
-            raise ValueError(f"a sequence of {seq.n} tokens has no room for a round of tree budget {seq.budget}")
+        needed = seq.n + self.span(seq.budget.nodes(self.block_size))
+        if needed > seq.slots:
+            raise ValueError(f"a sequence of {seq.n} tokens has no room in its {seq.slots} slots for a round of "
+                             f"tree budget {seq.budget}")
         return needed
 
     def _draft(self, seqs: list[Sequence]) -> list[torch.Tensor]:

@@ -4,12 +4,14 @@ run the per-row round).
 
 Its shapes depend only on (row bucket R_b, budget, KV length), so on CUDA each half of it is a CUDA
 graph, as `ddtree.engine.Engine`'s round is:
-- the live sequences hold cache rows 0..R-1 (`BatchEngine.remove` moves the last one into a freed
-  row), so row r of a round is cache row r, whoever holds it: every per-row slice of the packed
-  metas (`layers.RowSpan`, the drafter's sliding layers) is fixed for a row count;
+- the live sequences hold rows 0..R-1 (`BatchEngine.remove` moves the last one into a freed row),
+  so row r of a round is row r, whoever holds it; where its cache region starts is read from the
+  engine's device table `first_slot` by every attention launch (the target's verify and the
+  drafter's full layers through the batched prefix form, its sliding layers through the batched
+  mask form), KV write and commit, so a graph serves any regions;
 - R is rounded up to a row bucket (1, 2, 4, ..., max_rows; `pad_rows`, on by default with graphs):
-  rows R..R_b-1 are free rows that run as padding, with n = 0, so their work stays inside their
-  own rows, which no sequence holds;
+  rows R..R_b-1 are free rows that run as padding, with n = 0 over the engine's spare slots, which
+  no sequence holds;
 - each row's committed length `n` and root token are read from the engine's device tensors, and
   the back advances them where `live` (padding rows keep n = 0), so a round needs nothing from the
   host but its KV length: one for all rows, the bucketed maximum of n plus the tree (or block);
@@ -69,7 +71,7 @@ class RowBuffers:
         self.offsets = torch.arange(size, device=device)  # node i of row r sits at slot n[r] + i of the row
         self.keep_offsets = torch.arange(keep, device=device)
         self.row_starts = torch.arange(rows, device=device) * size  # row r's nodes in the packed verify
-        self.first_slots = torch.arange(rows, device=device) * engine.row_slots
+        self.first_slots = engine.first_slot[:rows]  # a view: the engine rewrites it as rows change hands
         self.ones = torch.ones(rows, dtype=torch.long, device=device)  # `ar`'s acceptance length
         self.summary = torch.zeros(rows, keep + 2, dtype=torch.long, device=device)
         self.path = torch.zeros(rows, keep, dtype=torch.long, device=device)  # each row's kept nodes
@@ -173,14 +175,21 @@ class UniformRounds:
         e, r, b = self.engine, bufs.rows, self.engine.block_size
         drafter, n = e.drafter, e.n[:r]
         bufs.noise[:, 0].copy_(e.target.embed_tokens(e.root[:r]) * drafter.config.input_embedding_scale)
-        local = n[:, None] + bufs.block_offsets  # [R, b]: each row's block positions (= slots in its row)
-        alone = [drafter.block_metas(n[i], b, kv_len) for i in range(r)]  # each row's, as if alone
-        slots, total = (local + bufs.first_slots[:, None]).reshape(-1), (r - 1) * e.row_slots + kv_len
-        metas = {kind: AttentionMeta(slots, total, rows=[RowSpan(slice(i * b, (i + 1) * b), i * e.row_slots,
-                                                                 alone[i][kind]) for i in range(r)])
+        local = n[:, None] + bufs.block_offsets  # [R, b]: each row's block positions (= slots in its region)
+        alone = [drafter.block_metas(n[i], b, self._row_kv_len(i, kv_len)) for i in range(r)]  # as if alone
+        slots = (local + bufs.first_slots[:, None]).reshape(-1)
+        metas = {kind: AttentionMeta(slots, e.total_slots, rows=[RowSpan(slice(i * b, (i + 1) * b),
+                                                                         e.row_first_slots[i], alone[i][kind])
+                                                                 for i in range(r)])
                  for kind in alone[0]}
-        # Full layers: every row in one launch on CUDA; sliding layers (a mask each) go row by row.
+        # On CUDA every row in one launch: the full layers in the prefix form, the sliding layers
+        # (a mask each, stacked) in the mask form; elsewhere row by row.
         metas["full"].padded = PaddedRows(bufs.block_visible, n, bufs.first_slots, kv_len)
+        if "sliding" in metas and self.use_graphs:  # the masks at the round's kv_len, to stack
+            sliding = [drafter.block_metas(n[i], b, kv_len)["sliding"] for i in range(r)]
+            masks = torch.stack([meta.mask for meta in sliding])  # [R, b, kv_len]
+            ranges = torch.cat([meta.key_range() for meta in sliding])  # [R * b, 2]
+            metas["sliding"].padded = PaddedRows(masks, None, bufs.first_slots, kv_len, ranges=ranges)
         hidden = drafter(bufs.noise.view(r * b, -1), metas, e.draft_cache, positions=local.reshape(-1))
         drafted = hidden.view(r, b, -1)[:, 1:].reshape(r * (b - 1), -1)
         return drafter.logits(drafted, e.target.lm_head).view(r, b - 1, -1)
@@ -207,12 +216,12 @@ class UniformRounds:
         n = e.n[:r]
         local = n[:, None] + bufs.offsets  # [R, M]: each node's slot in its row
         # Each row sees keys [0, its n) and, among its tree's slots, its ancestors (the prefix form).
-        rows = [RowSpan(slice(i * m, (i + 1) * m), i * e.row_slots,
-                        AttentionMeta(local[i], kv_len, prefix_len=n[i], block_mask=bufs.visible[i],
-                                      **e.recurrent_tree(i, bufs.parents[i], bufs.depths[i])),
+        rows = [RowSpan(slice(i * m, (i + 1) * m), e.row_first_slots[i],
+                        AttentionMeta(local[i], self._row_kv_len(i, kv_len), prefix_len=n[i],
+                                      block_mask=bufs.visible[i], **e.recurrent_tree(i, bufs.parents[i], bufs.depths[i])),
                         e.row_states[i] if e.hybrid else None)
                 for i in range(r)]
-        meta = AttentionMeta((local + bufs.first_slots[:, None]).reshape(-1), (r - 1) * e.row_slots + kv_len,
+        meta = AttentionMeta((local + bufs.first_slots[:, None]).reshape(-1), e.total_slots,
                              rows=rows, padded=PaddedRows(bufs.visible, n, bufs.first_slots, kv_len))
         positions = (n[:, None] + bufs.depths).reshape(-1)
         taps = e.feature_layers if feeds else None
@@ -220,6 +229,13 @@ class UniformRounds:
         if features is not None:
             bufs.features.copy_(features)
         return logits
+
+    def _row_kv_len(self, row: int, kv_len: int) -> int:
+        """The keys row `row` reads where rows go one by one (`layers.attend` off CUDA): the round's,
+        short of the cache's end. (These per-row metas hold the host's first slots of this round,
+        so a CUDA graph cannot use them; there the batched launches read the device's, and bound
+        their reads by the cache's end themselves.)"""
+        return min(kv_len, self.engine.total_slots - self.engine.row_first_slots[row])
 
     # -- back: walk, compact, feed, advance ----------------------------------------------------
 

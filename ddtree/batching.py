@@ -11,6 +11,10 @@ A prompt longer than one prefill chunk (the LLM's `prefill_chunk`) is prefilled 
 than the whole prompt: its `add` gives no first event (None), and the step that prefills its last
 chunk gives it; meanwhile no other request joins (`free` is 0).
 
+Each request holds a cache region sized by its prompt, its max_tokens and the largest tree it may
+run (`BatchEngine.region_slots`); `fits` says whether one can join now (a free row and a free
+region), and the caller holds a request that does not until one leaves.
+
 A request that finishes (stop rule or max_tokens) leaves the batch in the `step` that finishes it;
 `cancel` removes one between steps (a client that went away), or drops a prefill under way.
 
@@ -42,14 +46,19 @@ class BatchedRequest:
 
 
 class BatchedRequests:
-    def __init__(self, llm, max_rows: int, max_nodes: int | None = None, defer_long_prompts: bool = True):
+    def __init__(self, llm, max_rows: int, max_nodes: int | None = None, defer_long_prompts: bool = True,
+                 cache_slots: int | None = None):
         """llm: an `LLM` (its models, tokenizer and limits); max_rows: requests decoding at once;
         max_nodes: the largest tree a request may use (default: the largest tree budget's);
-        defer_long_prompts: prefill a prompt of several chunks a chunk a step (else all at its add)."""
+        defer_long_prompts: prefill a prompt of several chunks a chunk a step (else all at its add);
+        cache_slots: the KV slots the requests' regions share (`BatchEngine`; default: the LLM's
+        `batch_cache_slots`, from its kv_cache_tokens or the device's free memory)."""
         self.llm = llm
         self.max_rows = max_rows
         self.defer_long_prompts = defer_long_prompts
-        self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes,
+        if cache_slots is None:
+            cache_slots = llm.batch_cache_slots(max_rows, max_nodes)
+        self.engine = BatchEngine(llm.target, llm.drafter, llm.max_model_len, max_rows, max_nodes, cache_slots,
                                   prefill_chunk=llm.engine.prefill_chunk, use_graphs=llm.engine.use_graphs,
                                   kv_bucket=llm.engine.kv_bucket, fused_tree=llm.engine.fused_tree,
                                   padded_prefill=bool(llm.engine.prefill_lengths),
@@ -63,6 +72,26 @@ class BatchedRequests:
     def free(self) -> int:
         """How many more requests can join now."""
         return self.engine.free_rows
+
+    def max_nodes(self, budget: TreeShape, adaptive: bool) -> int:
+        """The largest tree a request may run: its budget's, or an adaptive one's largest candidate's
+        that the engine holds."""
+        nodes = budget.nodes(self.engine.block_size)
+        if adaptive:
+            largest = max(shape.nodes(self.engine.block_size) for shape in self.llm.batch_budget.candidates)
+            nodes = max(nodes, min(largest, self.engine.max_nodes))
+        return nodes
+
+    def fits(self, prompt_len: int, params: SamplingParams, budget: TreeShape, adaptive: bool = False) -> bool:
+        """Whether such a request can join now: a free row, and a free cache region for its prompt,
+        its max_tokens and its largest tree."""
+        return self.engine.fits(prompt_len, params.max_tokens, self.max_nodes(budget, adaptive))
+
+    def fits_when_idle(self, prompt_len: int, params: SamplingParams, budget: TreeShape,
+                       adaptive: bool = False) -> bool:
+        """Whether such a request fits the cache at all (when no other request holds any of it)."""
+        slots = self.engine.region_slots(prompt_len, params.max_tokens, self.max_nodes(budget, adaptive))
+        return slots <= self.engine.cache_slots
 
     @property
     def busy(self) -> bool:
@@ -79,7 +108,8 @@ class BatchedRequests:
             raise ValueError("an adaptive request needs the LLM's batch_budget")
         progress = self.llm.progress(prompt_ids, params, budget, adaptive)
         feeds_drafter = adaptive or budget.drafts  # an adaptive row may draft in any round
-        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter, defer=self.defer_long_prompts)
+        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter, defer=self.defer_long_prompts,
+                                         max_new=params.max_tokens, max_nodes=self.max_nodes(budget, adaptive))
         request = BatchedRequest(sequence, progress, adaptive)
         if step is None:
             self.pending = request

@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 
 from ddtree.batch_budget import BatchBudget
+from ddtree.batch_engine import longest_region
+from ddtree.batch_memory import batch_cache_slots
 from ddtree.budget_selector import CANDIDATES, context_bucket
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.engine import PREFILL_CHUNK, Engine, Step
@@ -166,6 +168,8 @@ class LLM(RequestChecks):
         prefill_chunk: int = PREFILL_CHUNK,
         max_cached_budgets: int | None = None,
         max_num_seqs: int | None = None,
+        gpu_memory_utilization: float | None = 0.9,
+        kv_cache_tokens: int | None = None,
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
@@ -177,7 +181,11 @@ class LLM(RequestChecks):
         max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
         ddtree.batching). None: 8 on a CPU; 1 on CUDA, until the batched engine's graphs (rounds of
         one tree shape, ddtree.batch_round) have passed their GPU tests; 1 for hybrid targets, which
-        batch (each row with its own recurrent state) only when asked."""
+        batch (each row with its own recurrent state) only when asked.
+        gpu_memory_utilization: on CUDA, the share of the device's memory this process may hold in
+        all; the batched engine's KV cache takes what the rest leaves (ddtree.batch_memory), so
+        that short requests leave room for more of them. kv_cache_tokens: the batched engine's KV
+        slots outright (any device; at least one sequence at the context limit)."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = None
         if use_draft:
@@ -225,6 +233,8 @@ class LLM(RequestChecks):
             raise DDTreeError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")
         # Hybrid targets batch only when asked: their batched rounds have not yet run on a GPU.
         self.max_num_seqs = max_num_seqs or (1 if self.device.type == "cuda" or cfg.hybrid else 8)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_tokens = kv_cache_tokens
         self._batch = None  # the BatchedRequests of `batched`, made on first use
 
     # -- facts the server and benchmark report -----------------------------------------------
@@ -364,6 +374,17 @@ class LLM(RequestChecks):
             self._batch = BatchedRequests(self, self.max_num_seqs, max_nodes)
         return self._batch
 
+    def batch_cache_slots(self, max_rows: int, max_nodes: int | None) -> int | None:
+        """The KV slots of a batched engine of max_rows rows and trees of up to max_nodes nodes
+        (ddtree.batch_memory.batch_cache_slots; None: the engine's default)."""
+        max_nodes = max_nodes or MAX_TREE_BUDGET + 1
+        served = max(shape.nodes(self.block_size) for shape in (self.default_budget, *CANDIDATES))
+        drafter_cfg = self.drafter.config if self.drafter is not None else None
+        return batch_cache_slots(self.target.config, drafter_cfg, str(self.dtype).removeprefix("torch."), max_rows,
+                                 longest_region(self.max_model_len, max_nodes, self.block_size),
+                                 min(served, max_nodes), self.device, self.gpu_memory_utilization,
+                                 self.kv_cache_tokens)
+
     def _generate_batched(self, ids: list[list[int]], params: list[SamplingParams], budgets: list[TreeShape],
                           adaptive: bool) -> list[GenerationResult]:
         """Checked requests through `batched`, joining as rows free up; results in prompt order.
@@ -375,7 +396,7 @@ class LLM(RequestChecks):
         index_of: dict[int, int] = {}
         waiting = list(range(len(ids)))
         while waiting or batch.busy:
-            while waiting and batch.free:
+            while waiting and batch.fits(len(ids[waiting[0]]), params[waiting[0]], budgets[waiting[0]], adaptive):
                 i = waiting.pop(0)
                 request, event = batch.add(ids[i], params[i], budgets[i], adaptive)
                 if event is not None and event.result is not None:

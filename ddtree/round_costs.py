@@ -142,12 +142,19 @@ def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None
     if longest < 1:
         raise ValueError(f"a context limit of {engine.max_model_len} tokens leaves no room to time rounds")
     points = []
+    new_tokens = (rounds + 2) * block  # room for every timed round in each dummy row's region
     for context in sorted({min(c, longest) for c in contexts}):
         for count in rows:
             for budget in budgets:
-                with dummy_rows(engine, count, budget, context) as seqs:
+                nodes = budget.nodes(engine.block_size)
+                if count * engine.region_slots(context, new_tokens, nodes) > engine.regions.largest_free:
+                    if log is not None:
+                        log(f"round cost: context {context}, {count} rows at {budget}: not timed, the KV cache "
+                            "holds fewer such rows")
+                    continue
+                with dummy_rows(engine, count, budget, context, new_tokens) as seqs:
                     times = []
-                    while len(times) <= rounds and max(s.n for s in seqs) + block <= engine.max_model_len:
+                    while len(times) <= rounds and all(s.n + engine.span(nodes) <= s.slots for s in seqs):
                         start = time.perf_counter()
                         engine.step()
                         times.append(time.perf_counter() - start)
@@ -159,16 +166,18 @@ def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None
 
 
 @contextlib.contextmanager
-def dummy_rows(engine, count: int, budget: TreeShape, context: int) -> Iterator[list]:
+def dummy_rows(engine, count: int, budget: TreeShape, context: int, new_tokens: int | None = None) -> Iterator[list]:
     """`count` greedy sequences of `context` dummy tokens at `budget` in `engine` (a `BatchEngine`),
-    removed on exit -> their `Sequence`s. Each feeds the drafter, as a row whose budget the batch
-    chooses does."""
+    each with a region for new_tokens more (default: to the context limit), removed on exit ->
+    their `Sequence`s. Each feeds the drafter, as a row whose budget the batch chooses does."""
     params = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
     vocab = engine.target.config.vocab_size
+    nodes = budget.nodes(engine.block_size)
     seqs = []
     try:
         for i in range(count):
-            seqs.append(engine.add(_dummy_prompt(context, i, vocab), params, budget, engine.drafter is not None)[0])
+            seqs.append(engine.add(_dummy_prompt(context, i, vocab), params, budget, engine.drafter is not None,
+                                   max_new=new_tokens, max_nodes=nodes)[0])
         yield seqs
     finally:
         for seq in seqs:

@@ -108,6 +108,43 @@ def test_combine_in_kernel_or_launched(fold, splits):
             torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
 
 
+def window_mask(context: int, m: int, window: int, max_kv: int) -> torch.Tensor:
+    """A drafter sliding layer's mask [m, max_kv] for a block of m tokens after `context` keys:
+    token i (position context + i) sees keys (context + i - window, context + i]."""
+    pos = context + torch.arange(m)[:, None]
+    cols = torch.arange(max_kv)[None, :]
+    return ((cols <= pos) & (cols > pos - window)).to(DEVICE)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_mask_form_equals_rows_alone(splits):
+    """The mask form (each row's own mask over its keys, as the drafter's sliding layers in a
+    batched round): every row equals `masked_attention` on its own slots and float64 attention,
+    rows far apart in the cache and in reverse order, windows cutting the context or not."""
+    m, contexts, window = 5, [90, 3, 40], 24
+    q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, contexts, torch.float32, seed=13, strided=True)
+    masks = torch.stack([window_mask(c, m, window, row_slots) for c in contexts])  # [R, m, row_slots]
+    ranges = torch.cat([tree_attention.key_range(mask) for mask in masks])
+    got = batched_masked_attention(q, k, v, masks, 0.25, None, first, max_kv=row_slots, splits=splits, ranges=ranges)
+    assert got.shape == (len(contexts) * m, 4 * 16)
+    for b in range(len(contexts)):
+        keys = slice(int(first[b]), int(first[b]) + row_slots)
+        alone = masked_attention(q[b * m:(b + 1) * m], k[keys], v[keys], masks[b], 0.25, splits=splits)
+        torch.testing.assert_close(got[b * m:(b + 1) * m], alone, atol=2e-5, rtol=1e-4)
+        want = reference(q[b * m:(b + 1) * m], k[keys], v[keys], masks[b], 0.25)
+        torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_mask_form_checks_its_shapes():
+    q, k, v, first, row_slots = batch_inputs(3, 4, 2, 16, [10, 20], torch.float32, seed=1)
+    masks = torch.stack([window_mask(c, 3, 8, row_slots) for c in (10, 20)])
+    with pytest.raises(ValueError, match="mask form"):
+        batched_masked_attention(q, k, v, masks, 0.25, None, first, max_kv=row_slots)  # no ranges
+    with pytest.raises(ValueError, match="mask form"):
+        batched_masked_attention(q, k, v, masks[:, :, :-1], 0.25, None, first, max_kv=row_slots,
+                                 ranges=torch.zeros(6, 2, dtype=torch.int32, device=DEVICE))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_padding_is_finite_and_leaves_rows_alone(splits):
     """Row 1 has 3 real tokens of m = 7 and no prefix; its padding tokens see nothing (all-False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -141,3 +142,42 @@ def test_client_disconnect_stops_generation(server):
     # and the server carries on
     ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_requests_wait_for_cache_room_and_equal_their_solo_runs(demo_pair):
+    """A KV cache of 800 slots: a request of 200 tokens holds a region of about 230, so three run at
+    once and the others wait in the queue (not refused) for room; every stream equals the same
+    request served alone, and /metrics reports the cache's share in use."""
+    with LiveServer(*demo_pair, "--kv-cache-tokens", "800", "--max-tree-budget", "64",
+                    max_model_len=MAX_MODEL_LEN) as live:
+        kwargs = [dict(model=live.model, prompt=f"def h{i}(x):", max_tokens=200, temperature=0,
+                       extra_body={"ignore_eos": True, "return_token_ids": True, "tree_budget": 16})
+                  for i in range(6)]
+        sync = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        references = [alone(sync, "completions", kw) for kw in kwargs]
+        peak = []
+
+        async def run_all():
+            client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+            async def watch():  # the running count while the streams go
+                async with httpx.AsyncClient(base_url=live.url) as http:
+                    while True:
+                        peak.append(metric(metric_values((await http.get("/metrics")).text),
+                                           "vllm:num_requests_running"))
+                        await asyncio.sleep(0.05)
+
+            watcher = asyncio.create_task(watch())
+            try:
+                return await asyncio.gather(*(one_stream(client, "completions", kw) for kw in kwargs))
+            finally:
+                watcher.cancel()
+                await client.close()
+
+        results = asyncio.run(run_all())
+        for got, ref in zip(results, references):
+            assert got["ids"] == ref["ids"] and len(got["ids"]) == 200 and got["finish"] == "length"
+        assert 1 <= max(peak) <= 3
+        after = metric_values(live.client().get("/metrics").text)
+        assert metric(after, "vllm:gpu_cache_usage_perc", model_name=live.model) == 0
+        assert metric(after, "vllm:num_requests_waiting") == 0

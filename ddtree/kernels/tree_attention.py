@@ -207,9 +207,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float,
-                             prefix_len: torch.Tensor, first_slot: torch.Tensor, max_kv: int,
-                             config: AttentionConfig | None = None, splits: int | None = None) -> torch.Tensor:
-    """The prefix form for R rows (sequences) of a cache in one launch.
+                             prefix_len: torch.Tensor | None, first_slot: torch.Tensor, max_kv: int,
+                             config: AttentionConfig | None = None, splits: int | None = None,
+                             ranges: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefix form for R rows (sequences) of a cache in one launch; with prefix_len None, the
+    mask form (below).
 
     q [R * M, Hq, D]: row r's M tokens at r * M .. r * M + M - 1 (rows shorter than M padded);
     k, v [S, Hkv, D]: the whole cache (any strides with a unit last one); block_mask [R, M, C] bool
@@ -222,17 +224,25 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     split is planned over max_kv, so the launch depends on (R, M, C, S, heads, max_kv) alone, never
     on the prefix lengths, and one CUDA graph serves every batch of that shape. A token that sees
     no key (padding with no prefix) gets zeros; keys a row reads but does not see (block columns
-    past its tokens) only need to be finite, and reads stop at the cache's end."""
+    past its tokens) only need to be finite, and reads stop at the cache's end.
+
+    The mask form: block_mask [R, M, max_kv] is row r's mask over keys first_slot[r] + j (True:
+    token i sees key j), ranges [R * M, 2] its `key_range` (each token's first visible key and last
+    + 1, counted from its row's first slot; no token's range empty)."""
     rows_total, hq, d = q.shape
     batch, m, cols = block_mask.shape
     if rows_total != batch * m:
         raise ValueError(f"q has {rows_total} tokens; {batch} rows of {m} make {batch * m}")
-    if prefix_len.shape != (batch,) or first_slot.shape != (batch,):
-        raise ValueError(f"prefix_len and first_slot must be [{batch}], got {tuple(prefix_len.shape)} "
-                         f"and {tuple(first_slot.shape)}")
+    prefix = prefix_len is not None
+    if first_slot.shape != (batch,) or (prefix and prefix_len.shape != (batch,)):
+        raise ValueError(f"prefix_len and first_slot must be [{batch}], got "
+                         f"{None if prefix_len is None else tuple(prefix_len.shape)} and {tuple(first_slot.shape)}")
+    if not prefix and (cols != max_kv or ranges is None or ranges.shape != (rows_total, 2)):
+        raise ValueError(f"the mask form needs block_mask [R, M, max_kv={max_kv}] and ranges [{rows_total}, 2], got "
+                         f"{tuple(block_mask.shape)} and {None if ranges is None else tuple(ranges.shape)}")
     config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch, q.element_size())
-    return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len, first_slot, batch, max_kv, scale, True,
-                   splits, config)
+    return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len if prefix else ranges, first_slot, batch,
+                   max_kv, scale, prefix, splits, config)
 
 
 def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, splits, config):
@@ -340,8 +350,9 @@ if triton is not None:
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
         (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them.
         PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols].
-        BATCHED (with PREFIX): axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its
-        prefix length is range_ptr[b], and its keys start at slot first_ptr[b] of k and v."""
+        BATCHED: axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its keys start at
+        slot first_ptr[b] of k and v, and its prefix length is range_ptr[b] (PREFIX), or each of its
+        tokens' ranges and mask rows follow the previous row's (counted from that first slot)."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         live = r < rows

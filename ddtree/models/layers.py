@@ -104,14 +104,19 @@ class PaddedRows:
     query from (padding: its row's first token); `scatter` [N] long: the place of each output row,
     row after row (the packed order where rows follow one another, as `BatchEngine` packs them).
     Both None when the forward's tokens are already laid out so (N = R * M), as a graph-captured
-    batched round can pack them."""
+    batched round can pack them.
+
+    The mask form (the drafter's sliding layers): `prefix_len` None, `block_mask` [R, M, max_kv]
+    each row's whole mask over its keys (counted from its first slot) and `ranges` [R * M, 2] its
+    `tree_attention.key_range`."""
 
     block_mask: torch.Tensor
-    prefix_len: torch.Tensor
+    prefix_len: torch.Tensor | None
     first_slot: torch.Tensor
     max_kv: int
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
+    ranges: torch.Tensor | None = None
 
     @classmethod
     def from_rows(cls, rows: list[RowSpan], tokens: int) -> "PaddedRows | None":
@@ -236,6 +241,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
                 return attend_padded(q, k, v, padded, scale)
         if meta.rows is None:
             raise ValueError("a padded batch without rows is attended by the Triton kernel alone (CUDA)")
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Each row's first slot here is the host's, which a graph would keep after its row changed hands.
+            raise RuntimeError("a packed batch's rows cannot be attended one by one in a CUDA graph; "
+                               "it needs the Triton tree attention kernel (`tree_attention.supported`)")
         return torch.cat([attend(q[row.tokens], k[row.first_slot:row.first_slot + row.meta.kv_len],
                                  v[row.first_slot:row.first_slot + row.meta.kv_len], row.meta, scale, make_bias)
                           for row in meta.rows])
@@ -263,7 +272,7 @@ def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padded: Pad
     [N, Hq * D]: every row of `padded` in one `tree_attention.batched_masked_attention` launch."""
     q = q if padded.gather is None else q[padded.gather]
     out = tree_attention.batched_masked_attention(q, k, v, padded.block_mask, scale, padded.prefix_len,
-                                                  padded.first_slot, padded.max_kv)
+                                                  padded.first_slot, padded.max_kv, ranges=padded.ranges)
     return out if padded.scatter is None else out[padded.scatter]
 
 

@@ -65,7 +65,8 @@ LIMIT_FLAGS = {
                                  "manager restarts it; 0: never"),
 }
 ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
-             "served_model_name", "api_key", "log_level", "warmup", "engine_process", "prefill_chunk", *LIMIT_FLAGS)
+             "served_model_name", "api_key", "log_level", "warmup", "engine_process", "prefill_chunk",
+             "gpu_memory_utilization", "kv_cache_tokens", *LIMIT_FLAGS)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -94,6 +95,14 @@ def register(subparsers) -> None:
                    help="most tokens of a long prompt one forward prefills (its activation memory grows with "
                         f"it); with --max-num-seqs above 1, a prompt joins a running batch a chunk a round, so "
                         f"the requests decoding wait for one chunk at a time (default {PREFILL_CHUNK})")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA, the share of the device's memory the server may hold in all: with --max-num-seqs "
+                        "above 1, the KV cache the requests share takes what the weights, the engines' buffers "
+                        "and a margin for activations leave of it, and each request holds a region sized by its "
+                        "prompt, max_tokens and tree, so short requests leave room for more (default 0.9)")
+    p.add_argument("--kv-cache-tokens", type=int_at_least(1), default=None,
+                   help="the batched KV cache's size in tokens (slots), instead of --gpu-memory-utilization's; any "
+                        "device; at least one request at --max-model-len must fit")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so that the HTTP server's Python and the "
                         "engine's never wait for each other's interpreter lock (default); --no-engine-process "
@@ -125,7 +134,10 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
     fixed = budget not in (None, "auto")
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
               use_draft=not fixed or budget.drafts or args.draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None),
-              prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK), **({"tree_budget": budget} if fixed else {}))
+              prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK),
+              gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+              kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+              **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
         from ddtree.bench.tune import resolve_auto_budgets, resolve_context_budgets
         from ddtree.temperature_buckets import GREEDY

@@ -69,6 +69,10 @@ class ServerMetrics:
             "Without --tree-budget: recent decode tokens/s of each candidate tree budget per temperature and "
             "context bucket, from which requests that name no budget get the fastest",
             m + ["temperature_bucket", "context_bucket", "tree_budget"], registry=r)
+        # vLLM's name: the share of the (batched) KV cache that requests hold, 0-1.
+        self.kv_cache_usage = Gauge("vllm:gpu_cache_usage_perc",
+                                    "Share of the batched engine's KV cache slots held by requests' regions (0-1)", m,
+                                    registry=r)
         self.gpu_memory = Gauge("ddtree:gpu_memory_bytes",
                                 "GPU memory of the model's device after the last request (cuda only), as the "
                                 "caching allocator counts it: allocated or reserved",
@@ -110,6 +114,9 @@ class ServerMetrics:
     def set_gpu_memory(self, allocated: int, reserved: int) -> None:
         self.gpu_memory.labels(self.model_name, "allocated").set(allocated)
         self.gpu_memory.labels(self.model_name, "reserved").set(reserved)
+
+    def set_kv_cache_usage(self, share: float) -> None:
+        self.kv_cache_usage.labels(self.model_name).set(share)
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)

@@ -141,10 +141,12 @@ class EngineWorker:
         self.tree_budget_mode = "fixed"
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: list[Job] = []  # the jobs decoding now
+        self._held: Job | None = None  # the next job of a batch, taken from the queue, waiting for cache room
         self._progress_at = time.monotonic()  # the engine's last step (or the start of its current job)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._abandoned = False  # `abandon`: stop() no longer waits for the engine thread
+        self._stop_seen = False  # the batched loop has taken the queue's stop marker
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -204,6 +206,9 @@ class EngineWorker:
                 if job is not None:
                     ended.append(job)
             self._jobs.put(None)  # and the thread ends once the running job has stopped
+            if self._held is not None:
+                ended.append(self._held)
+                self._held = None
             ended.extend(self._active)
         for job in ended:
             job.emit(EngineUnavailable(reason))
@@ -238,11 +243,11 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return self._jobs.qsize() + (self._held is not None)
 
     def stalled_for(self) -> float:
         """Seconds since the engine's last step while it has work; 0 when it has none."""
-        if self.state != READY or (not self._active and self._jobs.empty()):
+        if self.state != READY or (not self._active and self._jobs.empty() and self._held is None):
             return 0.0
         return time.monotonic() - self._progress_at
 
@@ -250,7 +255,7 @@ class EngineWorker:
         return unavailable_reason(self.state)
 
     def _update_queue_gauges(self) -> None:
-        self.metrics.set_queue(len(self._active), self._jobs.qsize())
+        self.metrics.set_queue(len(self._active), self.waiting)
 
     def _run(self) -> None:
         device = getattr(self.llm, "device", None)
@@ -333,22 +338,33 @@ class EngineWorker:
 
     def _run_batched(self, batch) -> None:
         """Up to `batch.max_rows` jobs decode together: queued jobs join between rounds (in arrival
-        order) while rows are free, each round's events go to their jobs, a finished job leaves in
-        the round that finishes it and a cancelled one before the next round."""
+        order) while rows are free and the cache has room for them (a job that does not fit yet is
+        held, and the queue behind it waits, until running jobs leave), each round's events go to
+        their jobs, a finished job leaves in the round that finishes it and a cancelled one before
+        the next round."""
         runs: dict[int, tuple[object, JobRun]] = {}  # id(BatchedRequest) -> (it, its job's figures)
         stopping = False
         while True:
-            while not stopping and batch.free:
-                try:
-                    job = self._jobs.get(block=not runs)  # wait for work only when nothing is decoding
-                except queue.Empty:
+            while (not stopping or self._held is not None) and batch.free:
+                job = self._next_job(block=not runs)  # wait for work only when nothing is decoding
+                if job is None:  # none waiting, or the stop marker
+                    stopping = self._stop_seen
                     break
-                if job is None:
-                    stopping = True
-                elif self._admit(job):
-                    self._join(batch, job, runs)
+                if not self._admit(job):
+                    continue
+                if not batch.fits(len(job.prompt_ids), job.params, job.budget, job.adaptive):
+                    if runs:  # room comes back as running jobs leave
+                        with self._lock:
+                            self._held = job
+                        break
+                    # Nothing else holds the cache: it can never fit (`BatchEngine` keeps room for one
+                    # sequence at the context limit, so a checked request always does).
+                    job.emit(DDTreeError("the request does not fit the KV cache", "max_tokens"))
+                    self._finish(job)
+                    continue
+                self._join(batch, job, runs)
             if not runs:
-                if stopping:
+                if stopping and self._held is None:
                     return
                 continue
             try:
@@ -361,6 +377,9 @@ class EngineWorker:
                 continue
             self._progress_at = time.monotonic()
             self.metrics.record_batch_round([request.sequence.budget for request, _ in events])
+            regions = getattr(getattr(batch, "engine", None), "regions", None)
+            if regions is not None:
+                self.metrics.set_kv_cache_usage(regions.used_slots / regions.total)
             outbox: list[tuple[Job, object]] = []
             finished = []
             for request, event in events:
@@ -377,6 +396,21 @@ class EngineWorker:
                     del runs[key]
                     self._record_abort(run, request.progress.stats.budget_rounds)
                     self._finish(run.job)
+
+    def _next_job(self, block: bool) -> Job | None:
+        """The held job, else the queue's next (waiting for one when `block`) -> None when there is
+        none, or at the stop marker (`_stop_seen` then set)."""
+        with self._lock:
+            job, self._held = self._held, None
+        if job is not None:
+            return job
+        try:
+            job = self._jobs.get(block=block)
+        except queue.Empty:
+            return None
+        if job is None:
+            self._stop_seen = True
+        return job
 
     def _join(self, batch, job: Job, runs: dict) -> None:
         """Prefill `job` into the batch and send its first event."""
