@@ -29,6 +29,14 @@ A round takes one of two paths:
 - mixed shapes: the per-row round, eager, each row's metas, tree, walk and commit made one by one
   around the packed forwards.
 
+Fixed-shape rounds can be launched ahead (`launch`, then `collect`): `ddtree.batching` queues
+round r + 1 before it reads round r, so that the host's work on round r's tokens (their text,
+stop rules and streaming) runs while the device computes round r + 1, as `Engine`'s rounds
+overlap. Round r + 1's KV length bounds each sequence's length by what round r may commit
+(`lookahead`, the block, which every region has room for); a sequence that round r finishes, or
+that leaves before round r + 1 is read, has that round's result dropped, and everything queued
+after it (a new sequence's prefill into its freed region, a row's move) runs after it on the device.
+
 A sequence's tree shape may change between rounds (`set_budget`: the batch's budget choice,
 ddtree.batch_budget). Every shape is lossless and nothing of a round outlives it but the committed
 entries, so the tokens stay the target's; the one thing a shape leaves behind is the drafter's
@@ -87,9 +95,22 @@ class Sequence:
     feeds_drafter: bool  # its committed tokens' target features go to the drafter's context
     n: int = 0
     root: int = 0
+    in_flight: int = 0  # launched rounds of it whose summary is not read yet (`BatchEngine.launch`)
+    removed: bool = False  # it left while a round of it was in flight: that round's result is dropped
     # Its `ar` rounds' tokens not yet in the drafter's context: (target features [1, F], position [1],
     # cache slot [1]) per round.
     unfed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class LaunchedRound:
+    """A fixed-shape round queued on the device (`BatchEngine.launch`): each sequence with its row
+    at launch, the summary's handle (`UniformRounds.read`) and the log-probs of those that asked."""
+
+    rows: list[tuple[Sequence, int]]
+    budget: TreeShape
+    handle: tuple
+    logprobs: dict
 
 
 @dataclass(eq=False)
@@ -105,8 +126,10 @@ class PendingPrefill:
 
 
 def longest_region(max_model_len: int, max_nodes: int, block_size: int) -> int:
-    """The slots of a sequence at the context limit running trees of max_nodes nodes."""
-    return max_model_len + max(max_nodes, block_size) + 1
+    """The slots of a sequence at the context limit running trees of max_nodes nodes: its tokens,
+    what one round launched ahead may commit past them (`BatchEngine.launch`), its tree or block,
+    and the bonus slot."""
+    return max_model_len + max(block_size, 1) + max(max_nodes, block_size) + 1
 
 
 class BatchEngine:
@@ -139,6 +162,9 @@ class BatchEngine:
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else None
         self.feature_dim = len(self.feature_layers) * target.config.hidden_size if drafter is not None else 0
         self.max_nodes = max_nodes or MAX_TREE_BUDGET + 1
+        # The most tokens one round commits: a sequence's committed length when a launched round's
+        # summary is not read yet is at most this much past what the host knows.
+        self.lookahead = max(self.block_size, 1)
         self.row_slots = longest_region(max_model_len, self.max_nodes, self.block_size)
         self.cache_slots = max_rows * self.row_slots if cache_slots is None else cache_slots
         if self.cache_slots < self.row_slots:
@@ -211,7 +237,7 @@ class BatchEngine:
         """The region a sequence of `prompt_len` prompt tokens, up to max_new more (default: to the
         context limit) and trees of up to max_nodes nodes (default: the engine's largest) holds."""
         tokens = self.max_model_len if max_new is None else min(prompt_len + max_new, self.max_model_len)
-        return tokens + self.span(self.max_nodes if max_nodes is None else max_nodes) + 1
+        return tokens + self.lookahead + self.span(self.max_nodes if max_nodes is None else max_nodes) + 1
 
     def fits(self, prompt_len: int, max_new: int | None = None, max_nodes: int | None = None) -> bool:
         """Whether such a sequence can join now (a free row and a free region for it)."""
@@ -317,8 +343,11 @@ class BatchEngine:
         """The sequence leaves and its region is freed. The sequence in the last live row moves into
         its row, so that the live rows stay 0..R-1 (a round of R rows is then always the round of
         rows 0..R-1); the last row becomes free, with n = 0, over the spare slots. Stale entries are
-        never read: a sequence reads only slots it has written."""
+        never read: a sequence reads only slots it has written. A round of it still in flight
+        finishes on the device before anything queued later (a new sequence's prefill into the freed
+        region, a row's move) runs, and its result is dropped (`collect`)."""
         self.regions.release(seq.first_slot)
+        seq.removed = True
         if self.pending is not None and seq is self.pending.seq:  # its prefill is dropped
             self.pending = None
             free = seq.row
@@ -429,7 +458,7 @@ class BatchEngine:
 
     def _kv_len(self, seq: Sequence) -> int:
         """Slots of its row a round of `seq` reads: its context, then its tree or block (as `Engine`)."""
-        needed = seq.n + self.span(seq.budget.nodes(self.block_size))
+        needed = seq.n + seq.in_flight * self.lookahead + self.span(seq.budget.nodes(self.block_size))
         if needed > seq.slots:
             raise ValueError(f"a sequence of {seq.n} tokens has no room in its {seq.slots} slots for a round of "
                              f"tree budget {seq.budget}")
@@ -478,18 +507,46 @@ class BatchEngine:
         seqs = list(self.sequences)
         if not seqs:
             return []
-        if all(seq.budget == seqs[0].budget for seq in seqs):
-            return self._uniform_step(seqs, seqs[0].budget)
+        if self.uniform:
+            return self.collect(self.launch())
         return self._mixed_step(seqs)
 
-    def _uniform_step(self, seqs: list[Sequence], budget: TreeShape) -> list[tuple[Sequence, Step]]:
-        """The fixed-shape round of every sequence at `budget` (ddtree.batch_round)."""
+    @property
+    def uniform(self) -> bool:
+        """Whether the sequences' next round is the fixed-shape one (every sequence at one shape)."""
+        return all(seq.budget == self.sequences[0].budget for seq in self.sequences)
+
+    @torch.inference_mode()
+    def launch(self) -> "LaunchedRound":
+        """Queue the fixed-shape round (ddtree.batch_round) of every sequence (all at one tree shape:
+        `uniform`) without waiting for the device; `collect` reads it. A round may be launched before
+        the previous one is collected, so that the host's work on a round's tokens (text, stop
+        rules, streaming) runs while the device computes the next: its KV length then bounds each
+        sequence's length by what the unread round may add (`lookahead`), and a sequence that turns
+        out to have finished in the unread round runs one round more, whose result is dropped."""
+        seqs = list(self.sequences)
+        if not seqs or not self.uniform:
+            raise RuntimeError("a launched round needs sequences at one tree shape")
+        budget = seqs[0].budget
         self._feed_unfed(seqs)  # here `ar` rounds feed the drafter as they go: the context whole first
-        needed = max(self._kv_len(seq) for seq in seqs)  # host n is exact: every round's summary is read
-        kv_len = self._bucketed_kv_len(needed)
+        kv_len = self._bucketed_kv_len(max(self._kv_len(seq) for seq in seqs))
         rows = row_bucket(len(seqs), self.max_rows) if self.pad_rows else len(seqs)
-        summaries, logprobs = self.rounds.run(seqs, rows, budget, kv_len)
-        return [(seq, self._commit(seq, summaries[seq.row], logprobs.get(id(seq)))) for seq in seqs]
+        handle, logprobs = self.rounds.launch(seqs, rows, budget, kv_len)
+        for seq in seqs:
+            seq.in_flight += 1
+        return LaunchedRound([(seq, seq.row) for seq in seqs], budget, handle, logprobs)
+
+    @torch.inference_mode()
+    def collect(self, launched: "LaunchedRound") -> list[tuple[Sequence, Step]]:
+        """Wait for a launched round -> the Step of each of its sequences that has not left since,
+        in launch order; their host n and root advance."""
+        summaries = self.rounds.read(launched.handle)
+        steps = []
+        for seq, row in launched.rows:  # each sequence's row when launched (a row may have changed hands since)
+            seq.in_flight -= 1
+            if not seq.removed:
+                steps.append((seq, self._commit(seq, summaries[row], launched.logprobs.get(id(seq)), launched.budget)))
+        return steps
 
     def _bucketed_kv_len(self, needed: int) -> int:
         """The KV length a fixed-shape round that reads `needed` slots of each row runs at."""
@@ -499,7 +556,8 @@ class BatchEngine:
         """Every KV length a fixed-shape round of `budget` can run at: from a sequence of one
         committed token to one at the context limit."""
         span = max(budget.nodes(self.block_size), self.block_size)
-        first, last = self._bucketed_kv_len(1 + span), self._bucketed_kv_len(self.max_model_len + span)
+        first = self._bucketed_kv_len(1 + span)
+        last = self._bucketed_kv_len(self.max_model_len + self.lookahead + span)
         return sorted({*range(first, last, self.kv_bucket), last})
 
     @torch.inference_mode()
@@ -538,6 +596,8 @@ class BatchEngine:
     def _mixed_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, Step]]:
         """The per-row round, for sequences of different tree shapes: each row's draft metas, tree,
         walk and commit made one by one around the packed forwards."""
+        if any(seq.in_flight for seq in seqs):  # it reads and writes the host's lengths, exact only then
+            raise RuntimeError("collect the launched rounds before a per-row round")
         drafting = [s for s in seqs if s.budget.drafts]
         self._feed_unfed(drafting)  # their context whole before they draft
         drafts = dict(zip(map(id, drafting), self._draft(drafting))) if drafting else {}
@@ -600,6 +660,8 @@ class BatchEngine:
         captured graphs, which hold the old stash's addresses (it happens once per larger budget)."""
         if not self.hybrid or (self.row_scratch and self.row_scratch[0].nodes >= nodes):
             return
+        if self.device.type == "cuda":  # a launched round may still use the old stash and graphs
+            torch.cuda.synchronize()  # intentional: once per larger budget
         self.row_scratch = [self.target.new_scratch(nodes, self.device, self.dtype) for _ in range(self.max_rows)]
         self.rounds.drop_graphs()
 
@@ -627,9 +689,11 @@ class BatchEngine:
         elif nodes > 1:  # one node's entries are already in place at slot n
             self.kv.compact(start, kept)
 
-    def _commit(self, seq: Sequence, summary: list[int], kept_logprobs: tuple | None) -> Step:
-        """The host's side of a round of `seq`: its summary [a, kept tokens, bonus] (and the
-        log-probs at its kept nodes, for a request that asks) -> its Step; n and root advance."""
+    def _commit(self, seq: Sequence, summary: list[int], kept_logprobs: tuple | None,
+                budget: TreeShape | None = None) -> Step:
+        """The host's side of a round of `seq` at `budget` (default: its own): its summary [a, kept
+        tokens, bonus] (and the log-probs at its kept nodes, for a request that asks) -> its Step;
+        n and root advance."""
         a = summary[0]
         emitted = summary[2:1 + a] + [summary[-1]]
         seq.n += a
@@ -638,7 +702,7 @@ class BatchEngine:
         if kept_logprobs is not None:  # a second sync, for requests that ask for log-probs only
             values, top_values, top_ids = (t[:a].tolist() for t in kept_logprobs)
             logprobs = as_token_logprobs(emitted, values, top_values, top_ids)
-        return Step(emitted, a, logprobs, seq.budget)
+        return Step(emitted, a, logprobs, budget or seq.budget)
 
     def _store_rows(self) -> None:
         """Every live row's n and root from the host's copies onto the device (after a per-row

@@ -25,7 +25,9 @@ The two halves, around the target's choice at each node (eager, each row with it
 - back (R_b, budget): each row's walk, KV compaction and drafter context, a summary
   [R_b, keep + 2] (acceptance length, kept tokens, bonus), n and root advanced.
 On the CPU the same functions run eagerly. A round reads its summary in one host sync; requests
-that ask for log-probs add one more.
+that ask for log-probs add one more. `launch` queues a round without waiting for it and `read`
+waits for its summary, so that the engine can queue round r + 1 before reading round r
+(`BatchEngine.launch`); the summary's host copy alternates between two buffers for that.
 """
 from __future__ import annotations
 
@@ -76,8 +78,11 @@ class RowBuffers:
         self.summary = torch.zeros(rows, keep + 2, dtype=torch.long, device=device)
         self.path = torch.zeros(rows, keep, dtype=torch.long, device=device)  # each row's kept nodes
         cuda = torch.device(device).type == "cuda"
-        self.summary_host = torch.zeros(rows, keep + 2, dtype=torch.long, pin_memory=cuda)
-        self.summary_ready = torch.cuda.Event() if cuda else None
+        # Two host copies of the summary, used in turn: a round may be launched before the previous
+        # one's summary is read (`BatchEngine.launch`).
+        self.summary_host = [torch.zeros(rows, keep + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.summary_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.rounds = 0
         self.noise = self.block_visible = None
         if engine.drafter is not None:
             # Every row's drafter block [b, H]: its root's embedding (written each round), then the
@@ -118,10 +123,12 @@ class UniformRounds:
 
     # -- a round -------------------------------------------------------------------------------
 
-    def run(self, seqs: list, rows: int, budget: TreeShape, kv_len: int) -> tuple[list[list[int]], dict]:
-        """One round of `seqs` (they hold cache rows 0..len(seqs)-1) run as `rows` rows at `budget`
-        and KV length kv_len -> (each cache row's summary [a, kept tokens, bonus], by row; the
-        log-probs at the kept nodes of each sequence that asks, by id)."""
+    def launch(self, seqs: list, rows: int, budget: TreeShape, kv_len: int) -> tuple:
+        """Queue one round of `seqs` (they hold rows 0..len(seqs)-1) run as `rows` rows at `budget`
+        and KV length kv_len, and the copy of its summary to the host; nothing here waits for the
+        GPU (but a first capture) -> its handle for `read`, with the log-probs at the kept nodes of
+        each sequence that asks, by id (device tensors, gathered before a later round reuses the
+        buffers)."""
         bufs = self._buffers(rows, budget)
         e = self.engine
         feeds = e.drafter is not None and (budget.drafts or any(seq.feeds_drafter for seq in seqs))
@@ -136,7 +143,13 @@ class UniformRounds:
             if seq.params.logprobs is not None:  # the target's log-probs of its choices at the kept nodes
                 nodes = bufs.path[seq.row] + seq.row * bufs.size
                 logprobs[id(seq)] = chosen_logprobs(logits[nodes], bufs.choices[nodes], seq.params.logprobs)
-        return self._read_summary(bufs), logprobs
+        return self._copy_summary(bufs), logprobs
+
+    def run(self, seqs: list, rows: int, budget: TreeShape, kv_len: int) -> tuple[list[list[int]], dict]:
+        """One round, waited for -> (each row's summary [a, kept tokens, bonus], by row; the
+        log-probs at the kept nodes of each sequence that asks, by id)."""
+        handle, logprobs = self.launch(seqs, rows, budget, kv_len)
+        return self.read(handle), logprobs
 
     def _choose(self, seqs: list, bufs: RowBuffers, logits: torch.Tensor) -> None:
         """The target's token at every node into bufs.choices: greedy rows by one argmax over all
@@ -150,14 +163,26 @@ class UniformRounds:
                 bufs.choices[nodes].copy_(choose_tokens(logits[nodes], seq.params, seq.generator))
 
     @staticmethod
-    def _read_summary(bufs: RowBuffers) -> list[list[int]]:
-        if bufs.summary_ready is None:
-            return bufs.summary.tolist()
-        bufs.summary_host.copy_(bufs.summary, non_blocking=True)
-        bufs.summary_ready.record()
+    def _copy_summary(bufs: RowBuffers) -> tuple:
+        """Queue the summary's copy to the next of the two host buffers -> (bufs, its index); on the
+        CPU the summary itself, read now."""
+        if bufs.summary_ready[0] is None:
+            return bufs.summary.tolist(), None
+        index = bufs.rounds % 2
+        bufs.rounds += 1
+        bufs.summary_host[index].copy_(bufs.summary, non_blocking=True)
+        bufs.summary_ready[index].record()
+        return bufs, index
+
+    @staticmethod
+    def read(handle: tuple) -> list[list[int]]:
+        """A launched round's summary [a, kept tokens, bonus] by row."""
+        bufs, index = handle
+        if index is None:
+            return bufs
         # The round's one intentional host sync: every row's acceptance length, kept tokens and bonus.
-        bufs.summary_ready.synchronize()
-        return bufs.summary_host.tolist()
+        bufs.summary_ready[index].synchronize()
+        return bufs.summary_host[index].tolist()
 
     # -- front: draft, build, verify -----------------------------------------------------------
 

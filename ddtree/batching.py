@@ -47,14 +47,16 @@ class BatchedRequest:
 
 class BatchedRequests:
     def __init__(self, llm, max_rows: int, max_nodes: int | None = None, defer_long_prompts: bool = True,
-                 cache_slots: int | None = None):
+                 cache_slots: int | None = None, overlap: bool | None = None):
         """llm: an `LLM` (its models, tokenizer and limits); max_rows: requests decoding at once;
         max_nodes: the largest tree a request may use (default: the largest tree budget's);
         defer_long_prompts: prefill a prompt of several chunks a chunk a step (else all at its add);
         cache_slots: the KV slots the requests' regions share (`BatchEngine`; default: the LLM's
-        `batch_cache_slots`, from its kv_cache_tokens or the device's free memory)."""
+        `batch_cache_slots`, from its kv_cache_tokens or the device's free memory); overlap
+        (default: the LLM engine's `overlap`) queues each round before the last one's events are made."""
         self.llm = llm
         self.max_rows = max_rows
+        overlap = llm.engine.overlap if overlap is None else overlap
         self.defer_long_prompts = defer_long_prompts
         if cache_slots is None:
             cache_slots = llm.batch_cache_slots(max_rows, max_nodes)
@@ -67,6 +69,9 @@ class BatchedRequests:
                                   prefill_engine=llm.engine if llm.engine.prefill_lengths else None)
         self.running: list[BatchedRequest] = []
         self.pending: BatchedRequest | None = None  # its prompt prefilled a chunk a step
+        self.overlap = overlap
+        self._in_flight = None  # the next round, launched before the last one's events were made
+        self.round_budgets: list[TreeShape] = []  # each row's budget in the round the last `step` read
 
     @property
     def free(self) -> int:
@@ -126,19 +131,41 @@ class BatchedRequests:
         return event
 
     def step(self) -> list[tuple[BatchedRequest, StreamEvent]]:
-        """One round of every running request -> each one's event (with .result when it finished)."""
+        """One round of every running request -> each one's event (with .result when it finished).
+        With `overlap`, the round after it is queued on the device before this one's events are
+        made (text, stop rules), so that the device works while the host does: a request that this
+        round finishes has run one round more, which is dropped."""
+        if self._in_flight is None:
+            self._choose_budgets()
+            if not self.engine.uniform:  # mixed budgets: the per-row round, waited for
+                return self._events(self.engine.step())
+            self._in_flight = self.engine.launch()
+        current, self._in_flight = self._in_flight, None
+        if self.overlap:
+            self._choose_budgets()  # for the next round (from the acceptance seen before this one)
+            if self.engine.uniform:
+                self._in_flight = self.engine.launch()
+        return self._events(self.engine.collect(current))
+
+    def _choose_budgets(self) -> None:
+        """Every adaptive request's budget for the next round launched, from the batch (`batch_budget`)."""
         chooser = self.llm.batch_budget
         if chooser is not None and any(r.adaptive for r in self.running):
             rows = [BatchRow(r.temperature_bucket, r.sequence.n, None if r.adaptive else r.sequence.budget)
                     for r in self.running]
             for request, budget in zip(self.running, chooser.choose(rows)):
                 self.engine.set_budget(request.sequence, budget)
+
+    def _events(self, steps) -> list[tuple[BatchedRequest, StreamEvent]]:
+        """A round's steps as events; the requests they finish leave; then a long prompt's next chunk."""
+        chooser = self.llm.batch_budget
         by_sequence = {id(r.sequence): r for r in self.running}
+        self.round_budgets = [step.budget for _, step in steps]  # of the round read (the next may differ)
         events = []
-        for sequence, step in self.engine.step():
+        for sequence, step in steps:
             request = by_sequence[id(sequence)]
             if chooser is not None:
-                chooser.observe(request.temperature_bucket, sequence.budget, step.acceptance_length)
+                chooser.observe(request.temperature_bucket, step.budget, step.acceptance_length)
             event = request.progress.add(step)
             if event is None:
                 self._leave(request)
@@ -163,3 +190,6 @@ class BatchedRequests:
     def _leave(self, request: BatchedRequest) -> None:
         self.running.remove(request)
         self.engine.remove(request.sequence)
+        if not self.running and self._in_flight is not None:  # a round of requests all gone: nothing to read
+            self.engine.collect(self._in_flight)
+            self._in_flight = None

@@ -24,19 +24,31 @@ def replayed(engine, monkeypatch):
     return engine
 
 
-def decode_rows(engine, requests, budgets, join_after: int, after_round=None) -> list[list[int]]:
+def decode_rows(engine, requests, budgets, join_after: int, after_round=None, sized: bool = False) -> list[list[int]]:
     """requests [(prompt ids, SamplingParams)] with one tree budget each: the first `join_after`
     join, then one more after each round while a row is free; each leaves at its max_tokens.
-    after_round(engine) runs after every round (the callers' checks) -> every request's tokens."""
+    after_round(engine) runs after every round (the callers' checks) -> every request's tokens.
+    sized: each request's cache region holds its max_tokens and its budget's tree (not the context
+    limit), and a request joins only when a region for it is free too."""
     waiting, tokens, index = list(enumerate(requests)), {}, {}
+
+    def size(i):
+        prompt, params = requests[i]
+        return (params.max_tokens, budgets[i].nodes(engine.block_size)) if sized else (None, None)
+
+    def can_join():
+        return bool(waiting) and engine.free_rows and (not sized or engine.fits(len(requests[waiting[0][0]][0]),
+                                                                                 *size(waiting[0][0])))
 
     def join():
         i, (prompt, params) = waiting.pop(0)
-        seq, step = engine.add(prompt, params, budgets[i])
+        max_new, max_nodes = size(i)
+        seq, step = engine.add(prompt, params, budgets[i], max_new=max_new, max_nodes=max_nodes)
         index[id(seq)], tokens[i] = i, list(step.tokens)
 
     for _ in range(join_after):
-        join()
+        if can_join():
+            join()
     while engine.sequences:
         for seq, step in engine.step():
             i = index[id(seq)]
@@ -45,6 +57,7 @@ def decode_rows(engine, requests, budgets, join_after: int, after_round=None) ->
                 engine.remove(seq)
         if after_round is not None:
             after_round(engine)
-        if waiting and engine.free_rows:
+        if can_join():
             join()
+    assert not waiting, "requests left that never fit"
     return [tokens[i][:params.max_tokens] for i, (_, params) in enumerate(requests)]

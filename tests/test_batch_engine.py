@@ -167,3 +167,39 @@ def test_refusals(llm):
         engine.add([1, 2, 3], params(), parse_tree_budget(16))
     with pytest.raises(ValueError, match="max_rows"):
         BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_rounds_launched_ahead_give_the_same_tokens(llm, overlap):
+    """With overlap each `step` queues the next round before reading this one: rows that finish
+    (by length or a stop string) or are cancelled in a round have one more round launched, whose
+    result is dropped, and rows joining take the round after. Every row equals its solo run either way."""
+    from ddtree.batching import BatchedRequests
+
+    batch = BatchedRequests(llm, max_rows=3, max_nodes=17, overlap=overlap)
+    cases = [("def fib(n):", params(max_tokens=30)), ("import os\n", params(max_tokens=5)),
+             ("class Stack:", params(0.8, seed=7, max_tokens=22)), ("def quicksort(xs):", params(max_tokens=18)),
+             ("for i in range(", SamplingParams(max_tokens=40, stop=["\n"], temperature=0.6, seed=3)),
+             ("x = [1, 2", params(max_tokens=26))]
+    budget = parse_tree_budget(16)
+    waiting, got, handles, launched_ahead = list(range(len(cases))), {}, {}, 0
+    cancel_after = 3  # the fourth request's client leaves after a few of its rounds
+    while waiting or batch.running:
+        while waiting and batch.fits(len(llm.encode(cases[waiting[0]][0])), cases[waiting[0]][1], budget):
+            i = waiting.pop(0)
+            request, event = batch.add(llm.encode(cases[i][0]), cases[i][1], budget)
+            handles[id(request)], got[i] = i, list(event.token_ids)
+        for request, event in batch.step():
+            i = handles[id(request)]
+            got[i] += event.token_ids
+            if event.result is not None:
+                assert event.result.token_ids == got[i]
+        launched_ahead += batch._in_flight is not None
+        for request in list(batch.running):
+            if handles[id(request)] == 3 and len(got[3]) > cancel_after:
+                batch.cancel(request)
+                got[3] = None
+    assert (launched_ahead > 0) == overlap and batch.engine.regions.used_slots == 0
+    for i, (prompt, sampling) in enumerate(cases):
+        if got[i] is not None:
+            assert got[i] == llm.generate(prompt, sampling, tree_budget=16).token_ids, prompt

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.batch_engine import BatchEngine
+from ddtree.batch_engine import BatchEngine, longest_region
 from ddtree.batch_round import row_bucket
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
@@ -47,17 +47,17 @@ class Counted:
 
     def __init__(self, engine, monkeypatch):
         self.uniform = self.mixed = 0
-        run, mixed = engine.rounds.run, engine._mixed_step
+        launch, mixed = engine.rounds.launch, engine._mixed_step
 
-        def counted_run(*args):
+        def counted_launch(*args):
             self.uniform += 1
-            return run(*args)
+            return launch(*args)
 
         def counted_mixed(*args):
             self.mixed += 1
             return mixed(*args)
 
-        monkeypatch.setattr(engine.rounds, "run", counted_run)
+        monkeypatch.setattr(engine.rounds, "launch", counted_launch)
         monkeypatch.setattr(engine, "_mixed_step", counted_mixed)
 
 
@@ -214,6 +214,28 @@ def test_a_sliding_window_drafter_in_uniform_rounds_equals_solo_runs(sliding_llm
         assert tokens == solo(llm, prompt, sampling, budget), prompt
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])
+def test_rows_in_a_small_shared_cache_equal_solo_runs(sliding_llm, monkeypatch, graphs):
+    """Request-sized regions in a cache that holds two requests at a time: rows join as regions
+    free up, change hands (a row's first slot is the device table's), pad to a bucket over the
+    spare slots, and the sliding-window drafter's masks follow each row's region; every row equals
+    its solo run."""
+    llm = sliding_llm
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34], [40, 41, 42]]
+    cases = [(p, params(max_tokens=n)) for p, n in zip(prompts, [16, 6, 12, 9, 14])]
+    largest = 7 + 16 + 8 + 9 + 1  # prompt, max_tokens, a round ahead (the block), the tree, the bonus
+    pool = max(2 * largest + 3, longest_region(64, 9, 8))  # two of the largest regions, a few slots to spare
+    engine = BatchEngine(llm.target, llm.drafter, 64, max_rows=4, max_nodes=9, pad_rows=True, kv_bucket=8,
+                         cache_slots=pool)
+    assert engine.region_slots(7, 16, 9) == largest and 3 * largest > pool
+    if graphs:
+        replayed(engine, monkeypatch)
+    got = decode_rows(engine, cases, [B8] * len(cases), 3, after_round=assert_free_rows_idle, sized=True)
+    assert engine.regions.used_slots == 0
+    for tokens, (prompt, sampling) in zip(got, cases):
+        assert tokens == solo(llm, prompt, sampling, B8), prompt
+
+
 def test_graphs_captured_ahead_serve_every_round_and_change_no_tokens(llm, monkeypatch):
     """`BatchEngine.capture_all` before any request: every (row bucket, budget, KV length) a round
     then meets is already captured (no capture while decoding), and the warm-ups, run on free
@@ -226,8 +248,9 @@ def test_graphs_captured_ahead_serve_every_round_and_change_no_tokens(llm, monke
     assert captured == len(fronts) + len(backs)
     assert backs == {(rows, budget, feeds) for rows in (1, 2, 4) for budget, feeds in ((AR, False), (AR, True), (B8, True))}
     assert {kv for rows, budget, kv, _ in fronts if budget == B8} == set(engine.uniform_kv_lens(B8))
-    # A round reads n + 16 slots (the block is longer than B8's 9 nodes), n from 1 to MAX_LEN: 17..96.
-    assert engine.uniform_kv_lens(B8) == engine.uniform_kv_lens(AR) == [32, 64, 96]
+    # A round reads n + 16 slots (the block is longer than B8's 9 nodes), n from 1 to MAX_LEN plus a
+    # round launched ahead (16 more): 17..112, the last bucket cut at the row's 113 slots.
+    assert engine.uniform_kv_lens(B8) == engine.uniform_kv_lens(AR) == [32, 64, 96, 113]
     assert_free_rows_idle(engine)
     cases = [("def fib(n):", params(max_tokens=16)), ("import os\n", params(0.7, seed=5, max_tokens=4)),
              ("class Stack:", params(1.0, seed=11, max_tokens=16))]

@@ -110,6 +110,34 @@ def test_graphs_captured_ahead_serve_every_round_float32(pair):
 
 
 @pytest.fixture(scope="module")
+def sliding_pair(tmp_path_factory):
+    """A drafter with two sliding-window layers (window 64) and a full one, as Qwen3.6's."""
+    root = tmp_path_factory.mktemp("gpu_batch_sliding")
+    make_target(root / "t", "qwen3", vocab=512, hidden=128, layers=4, max_positions=2048, peak=10.0)
+    make_drafter(root / "d", root / "t", block_size=16, layers=3, sliding_window=64,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return root / "t", root / "d"
+
+
+@pytest.mark.parametrize("budget", [AR, TreeShape.best(16)], ids=str)
+def test_graph_rounds_in_a_small_shared_cache_equal_solo_runs_float32(sliding_pair, budget):
+    """Request-sized regions in a cache of one row at the context limit (two or three of these
+    requests at a time): rows change hands and regions move under the captured graphs, which read
+    each row's first slot from the device (the verify and the drafter's full layers in the prefix
+    form, its sliding layers in the mask form); every row equals its solo eager run."""
+    target, draft = sliding_pair
+    solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
+    batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
+    engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=17,
+                         cache_slots=MAX_LEN + 17 + 1)
+    requests = cases(seed=5)
+    got = decode_rows(engine, requests, [budget] * len(requests), 3, sized=True)
+    assert engine.rounds.front_graphs and engine.regions.used_slots == 0
+    for tokens, (prompt, params) in zip(got, requests):
+        assert tokens == solo.generate(prompt, params, budget.json_value).token_ids, (budget, prompt[:8])
+
+
+@pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory):
     pytest.importorskip("transformers.models.qwen3_5")
     from tiny_models import make_hybrid_target

@@ -113,3 +113,22 @@ def test_output_text_benchmark_times_both_modes(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [64, 200]
     assert all(r[mode]["request_ms"] > 0 for r in rows for mode in ("whole", "incremental"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_output_decode_equals_transformers_decode(tokenizer, seed):
+    """`decode_for_output` calls the Rust tokenizer directly where transformers' decode would only
+    wrap it: the text is transformers' own, special tokens skipped, for real text and random ids."""
+    ids = outputs(tokenizer, seed) + sorted(tokenizer.special_ids)
+    for end in range(0, len(ids) + 1, 7):
+        assert tokenizer.decode_for_output(ids[:end]) == tokenizer.hf.decode(ids[:end], skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
+    hf = sentencepiece_style().hf
+    hf.clean_up_tokenization_spaces = True
+    calls = []
+    decode = hf.decode
+    hf.decode = lambda ids, **kw: (calls.append(ids), decode(ids, **kw))[1]
+    Tokenizer(hf).decode_for_output([5, 6, 7])
+    assert calls == [[5, 6, 7]]

@@ -60,3 +60,21 @@ def test_http_against_in_process_reports_each_mode_and_budget(tmp_path):
             assert row["completed"] == {"http": 2, "in_process": 2}
             assert row["http_over_in_process"] > 0
     assert (tmp_path / "http_offline.json").exists() and (tmp_path / "http_process.json").exists()
+
+
+def test_random_checkpoint_loads_and_decodes(tmp_path):
+    """benchmarks/random_checkpoint.py at a tiny body: ddtree loads what it writes (the shape's
+    head layout, the demo tokenizer) and decodes text from it without a drafter."""
+    from benchmarks.random_checkpoint import write
+
+    from ddtree.config import SamplingParams
+    from ddtree.llm import LLM
+
+    info = write(tmp_path / "t", "qwen3-8b", 8192, "cpu",
+                 {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512})
+    assert info["parameters"] > 0
+    llm = LLM(tmp_path / "t", device="cpu", max_model_len=128)
+    assert (llm.target.config.num_attention_heads, llm.target.config.head_dim, llm.vocab_size) == (32, 128, 8192)
+    assert llm.drafter is None
+    result = llm.generate("def f(x):", SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(result.token_ids) == 6 and isinstance(result.text, str)

@@ -97,7 +97,8 @@ def failing_back(self, *args):
     raise RuntimeError("device lost (injected by the test)")
 
 ddtree.engine.Engine._back = failing_back  # one request at a time
-ddtree.batch_engine.BatchEngine.step = failing_back  # batched (the CPU's default)
+ddtree.batch_engine.BatchEngine.step = failing_back  # batched (the CPU's default): per-row rounds
+ddtree.batch_engine.BatchEngine.launch = failing_back  # and fixed-shape ones
 from ddtree.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -147,7 +148,8 @@ def hung_back(self, *args):
     time.sleep(3600)
 
 ddtree.engine.Engine._back = hung_back  # one request at a time
-ddtree.batch_engine.BatchEngine.step = hung_back  # batched (the CPU's default)
+ddtree.batch_engine.BatchEngine.step = hung_back  # batched (the CPU's default): per-row rounds
+ddtree.batch_engine.BatchEngine.launch = hung_back  # and fixed-shape ones
 from ddtree.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -20,6 +20,20 @@ class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
         self.special_ids = set(hf_tokenizer.all_special_ids)
+        self._decode_output = self._output_decoder(hf_tokenizer)
+
+    @staticmethod
+    def _output_decoder(hf):
+        """`hf.decode(ids, skip_special_tokens=True)` as one call into the Rust tokenizer where that
+        is all it does (a fast tokenizer whose decoding neither cleans up spaces nor is overridden):
+        transformers' wrapper costs 6 us of a 7 us decode, paid per row and round while streaming."""
+        from transformers import PreTrainedTokenizerFast
+
+        backend = getattr(hf, "backend_tokenizer", None)
+        if (backend is None or type(hf)._decode is not PreTrainedTokenizerFast._decode
+                or getattr(hf, "clean_up_tokenization_spaces", False)):
+            return lambda ids: hf.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -28,7 +42,7 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=False)
 
     def decode_for_output(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+        return self._decode_output(token_ids)
 
     @property
     def decodes_incrementally(self) -> bool:

@@ -222,6 +222,8 @@ class EngineWorker:
 
     def render_metrics(self) -> tuple[bytes, str]:
         """/metrics: the Prometheus text and its content type."""
+        if self.state == READY:
+            self._update_memory_gauge()
         return self.metrics.render()
 
     def drafted_per_round(self, budget: TreeShape) -> int:
@@ -376,7 +378,8 @@ class EngineWorker:
                 runs.clear()
                 continue
             self._progress_at = time.monotonic()
-            self.metrics.record_batch_round([request.sequence.budget for request, _ in events])
+            self.metrics.record_batch_round(getattr(batch, "round_budgets", None)
+                                            or [request.sequence.budget for request, _ in events])
             regions = getattr(getattr(batch, "engine", None), "regions", None)
             if regions is not None:
                 self.metrics.set_kv_cache_usage(regions.used_slots / regions.total)
@@ -479,12 +482,15 @@ class EngineWorker:
         working_set = getattr(self.llm, "working_set", None)
         if working_set is not None:
             self.metrics.set_budgets_allocated(len(working_set.held))
+
+    def _update_memory_gauge(self) -> None:
+        """The caching allocator's view: what the working set and the KV cache hold (allocated) and
+        what the process keeps from the driver (reserved). Read when /metrics is (not after every
+        request: the allocator's statistics cost as much as a request's bookkeeping)."""
         device = getattr(self.llm, "device", None)
         if getattr(device, "type", None) == "cuda":
             import torch
 
-            # The caching allocator's view, after the request: what the working set and the KV cache
-            # hold (allocated) and what the process keeps from the driver (reserved).
             self.metrics.set_gpu_memory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
     def _die(self, exc: BaseException, request_id: str) -> None:
