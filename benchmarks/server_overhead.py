@@ -97,30 +97,44 @@ class ReplayedRequest:
 
 class ReplayingBatch:
     """A stand-in for `ddtree.batching.BatchedRequests` (module docstring): `add`, `step`, `cancel`,
-    `free`, `fits`, `running`. Each round costs `engine_us` + `row_us` per row, `host_fraction` of it busy."""
+    `begin`, `started`, `free`, `fits`, `running`. Each round costs `engine_us` + `row_us` per row, `host_fraction` of it busy."""
 
     def __init__(self, llm, tokens: list[int], accept: int, engine_us: float, row_us: float,
                  host_fraction: float, max_rows: int):
         self.llm, self.tokens, self.accept, self.max_rows = llm, tokens, accept, max_rows
         self.engine_us, self.row_us, self.host_fraction = engine_us, row_us, host_fraction
         self.running: list[ReplayedRequest] = []
+        self.begun: list[ReplayedRequest] = []
 
     @property
     def free(self) -> int:
-        return self.max_rows - len(self.running)
+        return self.max_rows - len(self.running) - len(self.begun)
 
     def fits(self, prompt_len, params, budget, adaptive: bool = False) -> bool:
         return self.free > 0
 
     def add(self, prompt_ids, params, budget, adaptive: bool = False):
+        self.begin(prompt_ids, params, budget, adaptive)
+        return self.started()[0]
+
+    def begin(self, prompt_ids, params, budget, adaptive: bool = False):
+        request = ReplayedRequest(budget, self.llm.progress(prompt_ids, params, budget, adaptive))
+        self.begun.append(request)
+        return request
+
+    def started(self):
         from ddtree.engine import Step
 
-        request = ReplayedRequest(budget, self.llm.progress(prompt_ids, params, budget, adaptive))
-        event = request.progress.add(Step([self.tokens[0]], 0))
-        if event is None:
-            return request, request.progress.final_event()
-        self.running.append(request)
-        return request, event
+        out = []
+        for request in self.begun:
+            event = request.progress.add(Step([self.tokens[0]], 0))
+            if event is None:
+                event = request.progress.final_event()
+            else:
+                self.running.append(request)
+            out.append((request, event))
+        self.begun = []
+        return out
 
     def step(self):
         from ddtree.engine import Step

@@ -103,6 +103,16 @@ class Sequence:
 
 
 @dataclass(eq=False)
+class FirstToken:
+    """A joined sequence's first token, chosen on the device and not read yet (`BatchEngine.add`
+    with read=False), with its log-probs' device tensors for a request that asks."""
+
+    seq: Sequence
+    token: torch.Tensor  # [] long
+    logprobs: tuple | None
+
+
+@dataclass(eq=False)
 class LaunchedRound:
     """A fixed-shape round queued on the device (`BatchEngine.launch`): each sequence with its row
     at launch, the summary's handle (`UniformRounds.read`) and the log-probs of those that asked."""
@@ -248,7 +258,7 @@ class BatchEngine:
     @torch.inference_mode()
     def add(self, prompt: list[int], params: SamplingParams, budget: TreeShape,
             feeds_drafter: bool | None = None, defer: bool = False, max_new: int | None = None,
-            max_nodes: int | None = None) -> tuple[Sequence, Step | None]:
+            max_nodes: int | None = None, read: bool = True) -> tuple[Sequence, "Step | FirstToken | None"]:
         """Prefill `prompt` into a free row -> (its sequence, the step of its first token). Its
         region (`region_slots`) has room for max_new more tokens (default: to the context limit;
         the rounds past them are the caller's to stop) and trees of up to max_nodes nodes (default:
@@ -256,7 +266,9 @@ class BatchEngine:
         for a sequence whose budget may change (`set_budget`). defer: a prompt of more than one
         prefill chunk has only its first chunk prefilled now, and the rest one chunk a call of
         `advance_prefill` (between rounds, so that the running sequences wait for one chunk at a
-        time, not the whole prompt); the step is then None, and `advance_prefill` returns it."""
+        time, not the whole prompt); the step is then None, and `advance_prefill` returns it.
+        read=False: the first token stays on the device (a `FirstToken`), read with others' by
+        `first_steps`, which must come before the next round's events are read."""
         if not self.free_rows:
             raise RuntimeError("every row is in use; remove a sequence first")
         feeds_drafter = budget.drafts if feeds_drafter is None else feeds_drafter
@@ -288,7 +300,7 @@ class BatchEngine:
             self.pending = PendingPrefill(seq, tokens, chunks, 0, self.feature_layers if feeds_drafter else None)
             self.advance_prefill()
             return seq, None
-        return seq, self._start(seq, len(prompt), self._prefill(seq, prompt))
+        return seq, self._start(seq, len(prompt), self._prefill(seq, prompt), read)
 
     @torch.inference_mode()
     def advance_prefill(self) -> tuple[Sequence, Step] | None:
@@ -308,20 +320,32 @@ class BatchEngine:
         self.pending = None
         return pending.seq, self._start(pending.seq, pending.tokens.shape[0], logits)
 
-    def _start(self, seq: Sequence, prompt_len: int, logits: torch.Tensor) -> Step:
-        """A prefilled sequence goes live: its first token chosen from the prompt's last logits."""
+    def _start(self, seq: Sequence, prompt_len: int, logits: torch.Tensor, read: bool = True) -> "Step | FirstToken":
+        """A prefilled sequence goes live: its first token chosen from the prompt's last logits, on
+        the device -> its Step (read: one host sync), or the token still on the device (`first_steps`)."""
         row, params = seq.row, seq.params
         first = choose_tokens(logits, params, seq.generator)[0]
         self.n[row].fill_(prompt_len)
         self.root[row].copy_(first)
         self.live[row].fill_(True)
-        seq.n, seq.root = prompt_len, int(first)  # host sync: the first token is needed now
+        seq.n = prompt_len
         self.sequences.append(seq)
-        logprobs = None
-        if params.logprobs is not None:
-            values = chosen_logprobs(logits, first.reshape(1), params.logprobs)
-            logprobs = as_token_logprobs([seq.root], *(t.tolist() for t in values))
-        return Step([seq.root], 0, logprobs)
+        values = None if params.logprobs is None else chosen_logprobs(logits, first.reshape(1), params.logprobs)
+        token = FirstToken(seq, first, values)
+        return self.first_steps([token])[0] if read else token
+
+    def first_steps(self, tokens: list["FirstToken"]) -> list[Step]:
+        """The Steps of sequences added with read=False, their first tokens read in one host sync
+        (so that several joining sequences' prefills queue on the device back to back)."""
+        values = torch.stack([t.token for t in tokens]).tolist()  # host sync: the first tokens are needed now
+        steps = []
+        for token, value in zip(tokens, values):
+            token.seq.root = value
+            logprobs = None
+            if token.logprobs is not None:
+                logprobs = as_token_logprobs([value], *(t.tolist() for t in token.logprobs))
+            steps.append(Step([value], 0, logprobs))
+        return steps
 
     def set_budget(self, seq: Sequence, budget: TreeShape) -> None:
         """The tree shape of `seq`'s next rounds (a drafting one only for a sequence that feeds the

@@ -72,6 +72,7 @@ class BatchedRequests:
         self.overlap = overlap
         self._in_flight = None  # the next round, launched before the last one's events were made
         self.round_budgets: list[TreeShape] = []  # each row's budget in the round the last `step` read
+        self._begun: list = []  # (request, its engine.FirstToken) begun and not yet `started`
 
     @property
     def free(self) -> int:
@@ -109,17 +110,39 @@ class BatchedRequests:
         while a long prompt's prefill goes on, a chunk a `step`). A request finished by its first
         token is not kept: its event has the result. adaptive: its budget is chosen each round
         (`budget` is then only its start; needs the LLM's batch_budget)."""
+        if self._begun:
+            raise RuntimeError("read the first events of the requests begun (`started`) first")
+        request = self.begin(prompt_ids, params, budget, adaptive)
+        if request is self.pending:
+            return request, None
+        return self.started()[0]
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
+              adaptive: bool = False) -> BatchedRequest:
+        """`add` without waiting for the first token: the prefill is queued on the device, and
+        `started` reads the first events of every request begun since it last ran, in one host sync
+        (so that requests arriving together are prefilled back to back). Call it before `step`."""
         if adaptive and self.llm.batch_budget is None:
             raise ValueError("an adaptive request needs the LLM's batch_budget")
         progress = self.llm.progress(prompt_ids, params, budget, adaptive)
         feeds_drafter = adaptive or budget.drafts  # an adaptive row may draft in any round
-        sequence, step = self.engine.add(prompt_ids, params, budget, feeds_drafter, defer=self.defer_long_prompts,
-                                         max_new=params.max_tokens, max_nodes=self.max_nodes(budget, adaptive))
+        sequence, first = self.engine.add(prompt_ids, params, budget, feeds_drafter, defer=self.defer_long_prompts,
+                                          max_new=params.max_tokens, max_nodes=self.max_nodes(budget, adaptive),
+                                          read=False)
         request = BatchedRequest(sequence, progress, adaptive)
-        if step is None:
+        if first is None:
             self.pending = request
-            return request, None
-        return request, self._started(request, step)
+        else:
+            self._begun.append((request, first))
+        return request
+
+    def started(self) -> list[tuple[BatchedRequest, StreamEvent]]:
+        """The first events of the requests begun since the last call (`begin`), in order."""
+        begun, self._begun = self._begun, []
+        if not begun:
+            return []
+        steps = self.engine.first_steps([first for _, first in begun])
+        return [(request, self._started(request, step)) for (request, _), step in zip(begun, steps)]
 
     def _started(self, request: BatchedRequest, step) -> StreamEvent:
         """Its first token's event; it runs from the next round, unless that token finished it."""
@@ -135,6 +158,8 @@ class BatchedRequests:
         With `overlap`, the round after it is queued on the device before this one's events are
         made (text, stop rules), so that the device works while the host does: a request that this
         round finishes has run one round more, which is dropped."""
+        if self._begun:
+            raise RuntimeError("read the first events of the requests begun (`started`) before a step")
         if self._in_flight is None:
             self._choose_budgets()
             if not self.engine.uniform:  # mixed budgets: the per-row round, waited for
@@ -183,6 +208,9 @@ class BatchedRequests:
         more is decoded for it."""
         if request is self.pending:
             self.pending = None
+            self.engine.remove(request.sequence)
+        elif any(request is begun for begun, _ in self._begun):  # its first token not read yet
+            self._begun = [(r, first) for r, first in self._begun if r is not request]
             self.engine.remove(request.sequence)
         elif request in self.running:
             self._leave(request)

@@ -410,7 +410,10 @@ class Engine:
         if length is None:
             return None
         self.n.fill_(p)
-        self.prompt_tokens[:p].copy_(torch.tensor(prompt, dtype=torch.long))
+        # From pinned memory without waiting: the host goes on queueing (the allocator keeps the
+        # pinned block until the copy is done).
+        pinned = self.device.type == "cuda"
+        self.prompt_tokens[:p].copy_(torch.tensor(prompt, dtype=torch.long, pin_memory=pinned), non_blocking=pinned)
         return self._run_prefill(length)
 
     def capture_prefills(self) -> int:

@@ -398,11 +398,12 @@ class LLM(RequestChecks):
         while waiting or batch.busy:
             while waiting and batch.fits(len(ids[waiting[0]]), params[waiting[0]], budgets[waiting[0]], adaptive):
                 i = waiting.pop(0)
-                request, event = batch.add(ids[i], params[i], budgets[i], adaptive)
-                if event is not None and event.result is not None:
-                    results[i] = event.result
-                else:
-                    index_of[id(request)] = i
+                index_of[id(batch.begin(ids[i], params[i], budgets[i], adaptive))] = i
+            for request, event in batch.started():  # those joining now, their first tokens read together
+                if event.result is not None:
+                    results[index_of.pop(id(request))] = event.result
+            if not batch.busy:
+                continue
             for request, event in batch.step():
                 if event.result is not None:
                     results[index_of.pop(id(request))] = event.result

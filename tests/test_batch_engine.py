@@ -203,3 +203,28 @@ def test_rounds_launched_ahead_give_the_same_tokens(llm, overlap):
     for i, (prompt, sampling) in enumerate(cases):
         if got[i] is not None:
             assert got[i] == llm.generate(prompt, sampling, tree_budget=16).token_ids, prompt
+
+
+def test_requests_begun_together_start_with_one_read(llm, solo_tokens):
+    """`begin` queues each prefill without reading its first token; `started` reads them all at
+    once (first events in order); a request cancelled before that never starts; a step waits for
+    `started`. Every row still equals its solo run."""
+    from ddtree.batching import BatchedRequests
+
+    batch = BatchedRequests(llm, max_rows=8, max_nodes=65)
+    begun = [batch.begin(llm.encode(p), s, parse_tree_budget(b)) for p, s, b in CASES]
+    with pytest.raises(RuntimeError, match="started"):
+        batch.step()
+    batch.cancel(begun[1])
+    reads = []
+    first_steps = batch.engine.first_steps
+    batch.engine.first_steps = lambda tokens: (reads.append(len(tokens)), first_steps(tokens))[1]
+    started = batch.started()
+    assert reads == [len(CASES) - 1] and [r for r, _ in started] == [begun[i] for i in (0, 2, 3, 4)]
+    tokens = {id(r): list(e.token_ids) for r, e in started}
+    while batch.running:
+        for request, event in batch.step():
+            tokens[id(request)] += event.token_ids
+    for i in (0, 2, 3, 4):
+        assert tokens[id(begun[i])] == solo_tokens[i], CASES[i]
+    assert batch.engine.regions.used_slots == 0 and batch.free == 8

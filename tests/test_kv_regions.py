@@ -177,8 +177,8 @@ def test_generate_waits_for_room_and_equals_solo_runs(demo_pair, llm):
     prompts = [prompt for prompt, _, _ in CASES]
     sampling = params(40)
     batch = small.batched(17)  # the engine generate makes for budget 16
-    engine, peak, add = batch.engine, [], batch.add
-    batch.add = lambda *a, **k: (peak.append(len(engine.sequences) + 1), add(*a, **k))[1]
+    engine, peak, begin = batch.engine, [], batch.begin
+    batch.begin = lambda *a, **k: (peak.append(len(engine.sequences) + 1), begin(*a, **k))[1]
     got = small.generate(prompts, sampling, tree_budget=16)
     assert max(peak) == 2 and len(peak) == len(prompts)  # two regions of ~66 slots fit in 162
     assert engine.cache_slots == longest_region(MAX_LEN, 65, llm.block_size) and engine.regions.used_slots == 0

@@ -365,6 +365,7 @@ class EngineWorker:
                     self._finish(job)
                     continue
                 self._join(batch, job, runs)
+            self._send_first_events(batch, runs)
             if not runs:
                 if stopping and self._held is None:
                     return
@@ -416,11 +417,11 @@ class EngineWorker:
         return job
 
     def _join(self, batch, job: Job, runs: dict) -> None:
-        """Prefill `job` into the batch and send its first event."""
+        """Queue `job`'s prefill into the batch; its first event is sent with those of the other
+        jobs joining now (`_send_first_events`), so that their prefills run back to back."""
         self._start(job)
-        run = JobRun(job)
         try:
-            request, event = batch.add(job.prompt_ids, job.params, job.budget, job.adaptive)
+            request = batch.begin(job.prompt_ids, job.params, job.budget, job.adaptive)
         except DDTreeError as exc:  # checked before queueing; kept as a 400 just in case
             job.emit(exc)
             self._finish(job)
@@ -430,11 +431,29 @@ class EngineWorker:
             self._finish(job)
             return
         self._progress_at = time.monotonic()
-        # No event yet for a long prompt prefilled a chunk a round: its first comes from `step`.
-        if event is not None and self._deliver(run, event):
+        # A long prompt prefilled a chunk a round has no first event yet: it comes from `step`.
+        runs[id(request)] = (request, JobRun(job))
+
+    def _send_first_events(self, batch, runs: dict) -> None:
+        """The first events of the jobs joined since the last round, read in one host sync."""
+        try:
+            started = batch.started()
+        except BaseException as exc:  # the engine failed: its batch is not used again
+            self._fail(exc, [run.job for _, run in runs.values()])
+            for _, run in runs.values():
+                self._finish(run.job)
+            runs.clear()
+            return
+        outbox: list[tuple[Job, object]] = []
+        finished = []
+        for request, event in started:
+            run = runs[id(request)][1]
+            if self._deliver(run, event, outbox):
+                del runs[id(request)]
+                finished.append(run.job)
+        emit_all(outbox)
+        for job in finished:
             self._finish(job)
-        else:
-            runs[id(request)] = (request, run)
 
     def _deliver(self, run: "JobRun", event, outbox: list | None = None) -> bool:
         """Send an event to its job (or, with `outbox`, add it there for `emit_all`) -> whether it
