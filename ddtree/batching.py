@@ -161,12 +161,14 @@ class BatchedRequests:
         if self._begun:
             raise RuntimeError("read the first events of the requests begun (`started`) before a step")
         if self._in_flight is None:
+            if not self.engine.sequences:  # none decoding: a long prompt's next chunk alone
+                return self._events([])
             self._choose_budgets()
             if not self.engine.uniform:  # mixed budgets: the per-row round, waited for
                 return self._events(self.engine.step())
             self._in_flight = self.engine.launch()
         current, self._in_flight = self._in_flight, None
-        if self.overlap:
+        if self.overlap and self.engine.sequences:
             self._choose_budgets()  # for the next round (from the acceptance seen before this one)
             if self.engine.uniform:
                 self._in_flight = self.engine.launch()
