@@ -60,6 +60,10 @@ class GatedBatch:
         self.wait()
         return self.batch.add(*args)
 
+    def begin(self, *args):  # how the server's worker joins a request
+        self.wait()
+        return self.batch.begin(*args)
+
 
 MODES = pytest.mark.parametrize("batched", [False, True], ids=["one_at_a_time", "batched"])
 
