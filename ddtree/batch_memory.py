@@ -20,6 +20,7 @@ import torch
 from ddtree.config import DDTreeError
 from ddtree.memory_plan import (FLOAT32, GiB, drafter_kv_bytes_per_token, recurrent_scratch_bytes,
                                 recurrent_state_bytes, target_kv_bytes_per_token)
+from ddtree.round_costs import row_counts
 
 TEMPORARIES_BYTES = 1 * GiB  # a round's and a prefill chunk's activations, allocator slack
 LOGITS_BUDGETS = 3  # the served budgets whose logits buffers every row bucket keeps (ar, 16, 64 by default)
@@ -31,21 +32,12 @@ def kv_bytes_per_slot(target_cfg, drafter_cfg, dtype: str) -> int:
     return target_kv_bytes_per_token(target_cfg, dtype) + drafter
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """The row counts a padded round runs at (`batch_round.row_bucket`): 1, 2, 4, ..., max_rows."""
-    buckets, rows = [], 1
-    while rows < max_rows:
-        buckets.append(rows)
-        rows *= 2
-    return buckets + [max_rows]
-
-
 def batch_reserve_bytes(target_cfg, dtype: str, max_rows: int, served_nodes: int) -> int:
     """What a batched engine allocates beside its KV cache for trees of up to served_nodes nodes:
     per row a hybrid's recurrent state and verify stash, per row bucket the float32 logits buffers
     of LOGITS_BUDGETS budgets, and TEMPORARIES_BYTES."""
     per_row = recurrent_state_bytes(target_cfg, dtype) + recurrent_scratch_bytes(target_cfg, served_nodes, dtype)
-    logits = sum(row_buckets(max_rows)) * served_nodes * target_cfg.vocab_size * FLOAT32 * LOGITS_BUDGETS
+    logits = sum(row_counts(max_rows)) * served_nodes  # a buffer per row bucket: 1, 2, 4, ..., max_rows * target_cfg.vocab_size * FLOAT32 * LOGITS_BUDGETS
     return max_rows * per_row + logits + TEMPORARIES_BYTES
 
 

@@ -373,10 +373,7 @@ class EngineWorker:
             try:
                 events = batch.step()
             except BaseException as exc:  # the engine failed: its batch is not used again
-                self._fail(exc, [run.job for _, run in runs.values()])
-                for _, run in runs.values():
-                    self._finish(run.job)
-                runs.clear()
+                self._fail_batch(exc, runs)
                 continue
             self._progress_at = time.monotonic()
             self.metrics.record_batch_round(getattr(batch, "round_budgets", None)
@@ -384,16 +381,7 @@ class EngineWorker:
             regions = getattr(getattr(batch, "engine", None), "regions", None)
             if regions is not None:
                 self.metrics.set_kv_cache_usage(regions.used_slots / regions.total)
-            outbox: list[tuple[Job, object]] = []
-            finished = []
-            for request, event in events:
-                run = runs[id(request)][1]
-                if self._deliver(run, event, outbox):
-                    del runs[id(request)]
-                    finished.append(run.job)
-            emit_all(outbox)  # the round's events, one wake-up of the event loop for all of them
-            for job in finished:
-                self._finish(job)
+            self._deliver_all(events, runs)
             for key, (request, run) in list(runs.items()):
                 if run.job.cancelled.is_set():
                     batch.cancel(request)
@@ -439,14 +427,23 @@ class EngineWorker:
         try:
             started = batch.started()
         except BaseException as exc:  # the engine failed: its batch is not used again
-            self._fail(exc, [run.job for _, run in runs.values()])
-            for _, run in runs.values():
-                self._finish(run.job)
-            runs.clear()
+            self._fail_batch(exc, runs)
             return
+        self._deliver_all(started, runs)
+
+    def _fail_batch(self, exc: BaseException, runs: dict) -> None:
+        """The batch's engine failed: every job in it ends with the failure."""
+        self._fail(exc, [run.job for _, run in runs.values()])
+        for _, run in runs.values():
+            self._finish(run.job)
+        runs.clear()
+
+    def _deliver_all(self, events: list, runs: dict) -> None:
+        """Each (request, event) to its job, with one wake-up of each event loop for all of them;
+        the jobs they finish leave `runs`."""
         outbox: list[tuple[Job, object]] = []
         finished = []
-        for request, event in started:
+        for request, event in events:
             run = runs[id(request)][1]
             if self._deliver(run, event, outbox):
                 del runs[id(request)]
