@@ -145,12 +145,6 @@ class UniformRounds:
                 logprobs[id(seq)] = chosen_logprobs(logits[nodes], bufs.choices[nodes], seq.params.logprobs)
         return self._copy_summary(bufs), logprobs
 
-    def run(self, seqs: list, rows: int, budget: TreeShape, kv_len: int) -> tuple[list[list[int]], dict]:
-        """One round, waited for -> (each row's summary [a, kept tokens, bonus], by row; the
-        log-probs at the kept nodes of each sequence that asks, by id)."""
-        handle, logprobs = self.launch(seqs, rows, budget, kv_len)
-        return self.read(handle), logprobs
-
     def _choose(self, seqs: list, bufs: RowBuffers, logits: torch.Tensor) -> None:
         """The target's token at every node into bufs.choices: greedy rows by one argmax over all
         rows (padding rows included), sampled rows from their own slice with their own generator."""

@@ -93,12 +93,6 @@ class BatchedRequests:
         its max_tokens and its largest tree."""
         return self.engine.fits(prompt_len, params.max_tokens, self.max_nodes(budget, adaptive))
 
-    def fits_when_idle(self, prompt_len: int, params: SamplingParams, budget: TreeShape,
-                       adaptive: bool = False) -> bool:
-        """Whether such a request fits the cache at all (when no other request holds any of it)."""
-        slots = self.engine.region_slots(prompt_len, params.max_tokens, self.max_nodes(budget, adaptive))
-        return slots <= self.engine.cache_slots
-
     @property
     def busy(self) -> bool:
         """Whether a request is decoding or being prefilled."""
