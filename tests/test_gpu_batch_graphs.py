@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.batch_engine import BatchEngine
+from ddtree.batch_engine import BatchEngine, longest_region
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.tree_shape import AR, CHAIN, TreeShape
@@ -129,7 +129,7 @@ def test_graph_rounds_in_a_small_shared_cache_equal_solo_runs_float32(sliding_pa
     solo = LLM(target, draft, device="cuda", dtype="float32", use_graphs=False, max_model_len=MAX_LEN)
     batched = LLM(target, draft, device="cuda", dtype="float32", use_graphs=True, max_model_len=MAX_LEN)
     engine = BatchEngine(batched.target, batched.drafter, MAX_LEN, max_rows=4, max_nodes=17,
-                         cache_slots=MAX_LEN + 17 + 1)
+                         cache_slots=longest_region(MAX_LEN, 17, batched.block_size))
     requests = cases(seed=5)
     got = decode_rows(engine, requests, [budget] * len(requests), 3, sized=True)
     assert engine.rounds.front_graphs and engine.regions.used_slots == 0

@@ -78,3 +78,24 @@ def test_random_checkpoint_loads_and_decodes(tmp_path):
     assert llm.drafter is None
     result = llm.generate("def f(x):", SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(result.token_ids) == 6 and isinstance(result.text, str)
+
+
+def test_agreeing_random_pair_accepts_every_drafted_token(tmp_path):
+    """benchmarks/random_checkpoint.py --agreeing-draft at a tiny body: the pair predicts one token
+    everywhere, so each round of a chain or a tree accepts the whole block."""
+    from benchmarks.random_checkpoint import AGREED_TOKEN, write, write_agreeing_draft
+
+    from ddtree.config import SamplingParams
+    from ddtree.llm import LLM
+
+    write(tmp_path / "t", "qwen3-8b", 8192, "cpu", {"num_hidden_layers": 6, "hidden_size": 256,
+                                                    "intermediate_size": 512}, agreeing=True)
+    write_agreeing_draft(tmp_path / "d", tmp_path / "t", 2, "cpu")
+    llm = LLM(tmp_path / "t", tmp_path / "d", device="cpu", max_model_len=256)
+    block = llm.drafter.config.block_size
+    for budget in ("chain", 16):
+        result = llm.generate("def f(x):", SamplingParams(max_tokens=3 * block, ignore_eos=True), budget)
+        assert result.token_ids == [AGREED_TOKEN] * (3 * block), budget
+        lengths = result.stats.acceptance_lengths
+        assert lengths[:2] == [block, block], (budget, lengths)
+    assert llm.generate("def f(x):", SamplingParams(max_tokens=8, ignore_eos=True), "ar").token_ids == [AGREED_TOKEN] * 8
