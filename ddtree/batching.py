@@ -73,7 +73,6 @@ class BatchedRequests:
         self._in_flight = None  # the next round, launched before the last one's events were made
         self.round_budgets: list[TreeShape] = []  # each row's budget in the round the last `step` read
         self._begun: list = []  # (request, its engine.FirstToken) begun and not yet `started`
-        self._joining: list = []  # the same, `started` while a round was in flight: read by `step`
 
     @property
     def free(self) -> int:
@@ -97,7 +96,7 @@ class BatchedRequests:
     @property
     def busy(self) -> bool:
         """Whether a request is decoding or being prefilled."""
-        return bool(self.running or self._joining) or self.pending is not None
+        return bool(self.running) or self.pending is not None
 
     def add(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
             adaptive: bool = False) -> tuple[BatchedRequest, StreamEvent | None]:
@@ -110,8 +109,7 @@ class BatchedRequests:
         request = self.begin(prompt_ids, params, budget, adaptive)
         if request is self.pending:
             return request, None
-        begun, self._begun = self._begun, []
-        return self._read_first(begun)[0]  # now, even with a round in flight
+        return self.started()[0]
 
     def begin(self, prompt_ids: list[int], params: SamplingParams, budget: TreeShape,
               adaptive: bool = False) -> BatchedRequest:
@@ -133,27 +131,12 @@ class BatchedRequests:
         return request
 
     def started(self) -> list[tuple[BatchedRequest, StreamEvent]]:
-        """The first events of the requests begun since the last call (`begin`), in order. While a
-        round is in flight (`overlap`) there are none yet: those requests join the next round
-        launched as they are (their first tokens are on the device, where the round reads them),
-        and `step` gives their first events, read after queuing that round. Reading them here would
-        leave the device idle from the prefills' end until the host queues the next round."""
+        """The first events of the requests begun since the last call (`begin`), in order."""
         begun, self._begun = self._begun, []
         if not begun:
             return []
-        if self._in_flight is not None:
-            self._joining.extend(begun)
-            return []
-        return self._read_first(begun)
-
-    def _read_first(self, begun: list) -> list[tuple[BatchedRequest, StreamEvent]]:
-        """The first events of begun requests [(request, its FirstToken)], read in one host sync."""
-        if not begun:
-            return []
         steps = self.engine.first_steps([first for _, first in begun])
-        events = [(request, self._started(request, step)) for (request, _), step in zip(begun, steps)]
-        self._drop_unread_round()  # when each of them finished at its first token
-        return events
+        return [(request, self._started(request, step)) for (request, _), step in zip(begun, steps)]
 
     def _started(self, request: BatchedRequest, step) -> StreamEvent:
         """Its first token's event; it runs from the next round, unless that token finished it."""
@@ -179,26 +162,19 @@ class BatchedRequests:
                 return self._events(self.engine.step())
             self._in_flight = self.engine.launch()
         current, self._in_flight = self._in_flight, None
-        joining, self._joining = self._joining, []  # begun while `current` was in flight (`started`)
         if self.overlap and self.engine.sequences:
-            # for the next round (from the acceptance seen before this one), joining rows too
-            self._choose_budgets([request for request, _ in joining])
+            self._choose_budgets()  # for the next round (from the acceptance seen before this one)
             if self.engine.uniform:
                 self._in_flight = self.engine.launch()
-        # A second host sync in a round that rows join: their first tokens, whose prefills were
-        # queued after `current` and before the round just launched (the device keeps working).
-        first = self._read_first(joining)
-        return first + self._events(self.engine.collect(current))
+        return self._events(self.engine.collect(current))
 
-    def _choose_budgets(self, joining: list[BatchedRequest] = ()) -> None:
-        """Every adaptive request's budget for the next round launched, from the batch (`batch_budget`);
-        joining: requests in that round whose first events are not read yet."""
+    def _choose_budgets(self) -> None:
+        """Every adaptive request's budget for the next round launched, from the batch (`batch_budget`)."""
         chooser = self.llm.batch_budget
-        requests = self.running + list(joining)
-        if chooser is not None and any(r.adaptive for r in requests):
+        if chooser is not None and any(r.adaptive for r in self.running):
             rows = [BatchRow(r.temperature_bucket, r.sequence.n, None if r.adaptive else r.sequence.budget)
-                    for r in requests]
-            for request, budget in zip(requests, chooser.choose(rows)):
+                    for r in self.running]
+            for request, budget in zip(self.running, chooser.choose(rows)):
                 self.engine.set_budget(request.sequence, budget)
 
     def _events(self, steps) -> list[tuple[BatchedRequest, StreamEvent]]:
@@ -229,21 +205,15 @@ class BatchedRequests:
         if request is self.pending:
             self.pending = None
             self.engine.remove(request.sequence)
-        elif any(request is begun for begun, _ in self._begun + self._joining):  # its first token not read yet
+        elif any(request is begun for begun, _ in self._begun):  # its first token not read yet
             self._begun = [(r, first) for r, first in self._begun if r is not request]
-            self._joining = [(r, first) for r, first in self._joining if r is not request]
             self.engine.remove(request.sequence)
-            self._drop_unread_round()
         elif request in self.running:
             self._leave(request)
 
     def _leave(self, request: BatchedRequest) -> None:
         self.running.remove(request)
         self.engine.remove(request.sequence)
-        self._drop_unread_round()
-
-    def _drop_unread_round(self) -> None:
-        """A round in flight whose requests have all gone has nothing to read: wait it out now."""
-        if not self.running and not self._joining and self._in_flight is not None:
+        if not self.running and self._in_flight is not None:  # a round of requests all gone: nothing to read
             self.engine.collect(self._in_flight)
             self._in_flight = None

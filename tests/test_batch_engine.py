@@ -205,47 +205,6 @@ def test_rounds_launched_ahead_give_the_same_tokens(llm, overlap):
             assert got[i] == llm.generate(prompt, sampling, tree_budget=16).token_ids, prompt
 
 
-def test_requests_begun_while_a_round_is_in_flight_ride_the_next_round(llm):
-    """With a round in flight, `started` reads nothing: the requests begun join the next round as
-    they are (first tokens on the device), and `step` gives their first events (one read, after
-    queuing that round) before the round's own. One finished by its first token leaves; one
-    cancelled before its read never starts. Every row equals its solo run."""
-    from ddtree.batching import BatchedRequests
-
-    budget = parse_tree_budget(16)
-    batch = BatchedRequests(llm, max_rows=4, max_nodes=17, overlap=True)
-    first, event = batch.add(llm.encode("def fib(n):"), params(max_tokens=30), budget)
-    got = {id(first): list(event.token_ids)}
-    for _, event in batch.step():
-        got[id(first)] += event.token_ids
-    assert batch._in_flight is not None
-    cases = [("class Stack:", params(0.8, seed=7, max_tokens=20)), ("import os\n", params(max_tokens=1)),
-             ("x = [1, 2", params(max_tokens=12))]
-    joined = [batch.begin(llm.encode(p), s, budget) for p, s in cases]
-    reads = []
-    first_steps = batch.engine.first_steps
-    batch.engine.first_steps = lambda tokens: (reads.append(len(tokens)), first_steps(tokens))[1]
-    assert batch.started() == [] and reads == [] and batch.busy
-    batch.cancel(joined[2])
-    events = batch.step()
-    assert reads == [2] and [r for r, _ in events[:2]] == joined[:2] and events[2][0] is first
-    assert events[1][1].result is not None and joined[1] not in batch.running
-    # the round launched took both joining rows; the finished one's result will be dropped
-    assert [seq for seq, _ in batch._in_flight.rows] == [first.sequence, joined[0].sequence, joined[1].sequence]
-    assert joined[1].sequence.removed and not joined[0].sequence.removed
-    got[id(joined[1])] = list(events[1][1].token_ids)
-    got[id(joined[0])] = []
-    for request, event in events[:1] + events[2:]:
-        got[id(request)] += event.token_ids
-    while batch.running:
-        for request, event in batch.step():
-            got[id(request)] += event.token_ids
-    assert batch.engine.regions.used_slots == 0 and batch._in_flight is None
-    assert got[id(first)] == llm.generate("def fib(n):", params(max_tokens=30), tree_budget=16).token_ids
-    for request, (prompt, sampling) in zip(joined[:2], cases):
-        assert got[id(request)] == llm.generate(prompt, sampling, tree_budget=16).token_ids, prompt
-
-
 def test_requests_begun_together_start_with_one_read(llm, solo_tokens):
     """`begin` queues each prefill without reading its first token; `started` reads them all at
     once (first events in order); a request cancelled before that never starts; a step waits for
