@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from server_process import free_port, quiet_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +100,17 @@ def test_agreeing_random_pair_accepts_every_drafted_token(tmp_path):
         lengths = result.stats.acceptance_lengths
         assert lengths[:2] == [block, block], (budget, lengths)
     assert llm.generate("def f(x):", SamplingParams(max_tokens=8, ignore_eos=True), "ar").token_ids == [AGREED_TOKEN] * 8
+
+
+def test_bench_client_capacity_against_the_stand_in(tmp_path):
+    """benchmarks/bench_client_capacity.py, small: `ddtree bench` completes every request against
+    the stand-in server at both prompt counts, and the client's CPU per chunk comes out."""
+    out = tmp_path / "capacity.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.bench_client_capacity", str(out), "--prompts", "4,12",
+                    "--chunks", "3", "--concurrency", "2", "--port", str(free_port())], check=True, timeout=300,
+                   capture_output=True, cwd=ROOT, env=quiet_env())
+    result = json.loads(out.read_text())
+    assert [(r["prompts"], r["completed"]) for r in result["runs"]] == [(4, 4), (12, 12)]
+    assert all(r["output_tokens_per_s"] > 0 and r["client_cpu_s"] > 0 for r in result["runs"])
+    assert result["client_cpu_us_per_chunk"] == pytest.approx(
+        (result["runs"][1]["client_cpu_s"] - result["runs"][0]["client_cpu_s"]) / (8 * 4) * 1e6)
