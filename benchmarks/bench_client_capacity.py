@@ -21,7 +21,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 TOKENS_PER_CHUNK = 4
@@ -107,22 +106,16 @@ def bench_once(url: str, dataset: Path, prompts: int, concurrency: int, folder: 
 def measure(args) -> dict:
     import httpx
 
+    from benchmarks.server_overhead import wait_until_up
+
     counts = [int(c) for c in args.prompts.split(",")]
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_client_capacity", "--serve", str(args.port),
                                "--chunks", str(args.chunks), "--delay-ms", str(args.delay_ms)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the stand-in server did not start")
-            time.sleep(0.2)
+        with httpx.Client(timeout=1.0) as client:
+            wait_until_up(client, url, server, timeout_s=60)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             dataset = prompts_file(folder, max(counts))
