@@ -37,7 +37,8 @@ def batch_reserve_bytes(target_cfg, dtype: str, max_rows: int, served_nodes: int
     per row a hybrid's recurrent state and verify stash, per row bucket the float32 logits buffers
     of LOGITS_BUDGETS budgets, and TEMPORARIES_BYTES."""
     per_row = recurrent_state_bytes(target_cfg, dtype) + recurrent_scratch_bytes(target_cfg, served_nodes, dtype)
-    logits = sum(row_counts(max_rows)) * served_nodes  # a buffer per row bucket: 1, 2, 4, ..., max_rows * target_cfg.vocab_size * FLOAT32 * LOGITS_BUDGETS
+    # a [rows x nodes, V] float32 buffer per row bucket (1, 2, 4, ..., max_rows rows) and budget
+    logits = sum(row_counts(max_rows)) * served_nodes * target_cfg.vocab_size * FLOAT32 * LOGITS_BUDGETS
     return max_rows * per_row + logits + TEMPORARIES_BYTES
 
 
@@ -59,14 +60,15 @@ def batch_cache_slots(target_cfg, drafter_cfg, dtype: str, max_rows: int, row_sl
         raise DDTreeError(f"gpu_memory_utilization must be in (0, 1], got {utilization}", "gpu_memory_utilization")
     free, total = memory if memory is not None else torch.cuda.mem_get_info(device)
     held = total - free  # by this process and any other
-    room = int(utilization * total) - held - batch_reserve_bytes(target_cfg, dtype, max_rows, served_nodes)
+    reserve = batch_reserve_bytes(target_cfg, dtype, max_rows, served_nodes)
+    room = int(utilization * total) - held - reserve
     per_slot = kv_bytes_per_slot(target_cfg, drafter_cfg, dtype)
     slots = max(room, 0) // per_slot
     if slots < row_slots:
         raise DDTreeError(
             f"gpu_memory_utilization={utilization}: {max(room, 0) / GiB:.2f} GiB are left for the KV cache "
             f"({total / GiB:.1f} GiB on the device, {held / GiB:.1f} GiB in use, "
-            f"{batch_reserve_bytes(target_cfg, dtype, max_rows, served_nodes) / GiB:.2f} GiB kept for the batch's "
+            f"{reserve / GiB:.2f} GiB kept for the batch's "
             f"buffers), fewer than one sequence at the context limit needs ({row_slots} slots of "
             f"{per_slot} bytes: {row_slots * per_slot / GiB:.2f} GiB); lower --max-model-len or --max-num-seqs, "
             "or raise --gpu-memory-utilization", "gpu_memory_utilization")

@@ -193,6 +193,8 @@ def test_pool_sized_from_memory(llm):
     row = longest_region(MAX_LEN, 65, llm.block_size)
     per_slot = kv_bytes_per_slot(target_cfg, drafter_cfg, "float32")
     reserve = batch_reserve_bytes(target_cfg, "float32", 4, 65)
+    # a dense target: the logits buffers of 1, 2 and 4 rows for three budgets, and the margin
+    assert reserve == (1 + 2 + 4) * 65 * target_cfg.vocab_size * 4 * 3 + GiB
     cuda = torch.device("cuda")
     total = 80 * GiB
     free = total - 10 * GiB  # 10 GiB already held
