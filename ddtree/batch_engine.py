@@ -184,7 +184,7 @@ class BatchEngine:
         # Past the pool, the slots of every row no sequence holds: a round's padding rows (n = 0)
         # write their trees and blocks there, and read nothing any sequence wrote.
         self.spare_slot = self.cache_slots
-        self.total_slots = self.cache_slots + max(self.max_nodes, self.block_size) + 1
+        self.total_slots = self.cache_slots + self.span(self.max_nodes) + 1
         self.cache = target.new_cache(self.total_slots, self.device, self.dtype)
         self.hybrid = bool(getattr(target.config, "hybrid", False))
         self.kv = self.cache.kv if self.hybrid else self.cache  # the attention layers' KV
@@ -579,7 +579,7 @@ class BatchEngine:
     def uniform_kv_lens(self, budget: TreeShape) -> list[int]:
         """Every KV length a fixed-shape round of `budget` can run at: from a sequence of one
         committed token to one at the context limit."""
-        span = max(budget.nodes(self.block_size), self.block_size)
+        span = self.span(budget.nodes(self.block_size))
         first = self._bucketed_kv_len(1 + span)
         last = self._bucketed_kv_len(self.max_model_len + self.lookahead + span)
         return sorted({*range(first, last, self.kv_bucket), last})

@@ -74,7 +74,7 @@ class ServerMetrics:
                                     "Share of the batched engine's KV cache slots held by requests' regions (0-1)", m,
                                     registry=r)
         self.gpu_memory = Gauge("ddtree:gpu_memory_bytes",
-                                "GPU memory of the model's device after the last request (cuda only), as the "
+                                "GPU memory of the model's device when /metrics is read (cuda only), as the "
                                 "caching allocator counts it: allocated or reserved",
                                 m + ["kind"], registry=r)
         self.batch_rounds = Counter("ddtree:batch_rounds",
