@@ -21,7 +21,10 @@ The search: first every free row on one shared candidate (the best of the candid
 free row in turn moves to the candidate that raises the batch's rate most, until a pass moves
 none (at most one pass per row). Rows of different temperatures can end on different budgets
 (a greedy row keeps a tree while a T = 1 row decodes with `ar`). With K candidates and R rows a
-choice costs at most R^2 K table look-ups, small beside a round.
+choice costs at most R^2 K table look-ups; a row of the same bucket and pick as the row before it,
+which stayed, is not weighed again (the batch has not changed, so it would stay too). On the
+2-core CPU, 16 rows of one bucket, three candidates: 36 -> 21 us a choice with that and the
+table's look-ups sorted once; it runs every round, on the engine thread.
 
 Used from the engine thread only (`ddtree.batching.BatchedRequests.step`), so unlocked.
 """
@@ -128,9 +131,12 @@ class BatchBudget:
         accepted = fixed_gain + sum(gain[i][k] for i, k in pick.items())
         for _ in free:
             moved = False
+            stayed = None  # (gains, pick) of the last row that found no better move since the batch last changed
             for i in free:
-                now = rate(tokens, accepted)
                 old = pick[i]
+                if stayed is not None and stayed[0] is gain[i] and stayed[1] == old:
+                    continue  # same bucket, same pick, same batch: it would stay too
+                now = rate(tokens, accepted)
                 best, best_rate = old, now
                 for k in range(len(self.candidates)):
                     if k == old:
@@ -141,7 +147,9 @@ class BatchBudget:
                 if best != old:
                     tokens += nodes[best] - nodes[old]
                     accepted += gain[i][best] - gain[i][old]
-                    pick[i], moved = best, True
+                    pick[i], moved, stayed = best, True, None
+                else:
+                    stayed = (gain[i], old)
             if not moved:
                 break
         for i, k in pick.items():

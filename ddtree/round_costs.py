@@ -22,6 +22,7 @@ at one context); `ddtree tune` stores a table in its tune file (`to_json` / `fro
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import statistics
 import time
@@ -58,6 +59,10 @@ class RoundCostTable:
         # context -> rows -> [(tokens per row, seconds)], seconds non-decreasing in tokens
         self._grid = {c: {r: _running_max(sorted(line.items())) for r, line in by_rows.items()}
                       for c, by_rows in grid.items()}
+        # Sorted once for `seconds`, which runs a few times a round: (contexts, per context (rows, lines)).
+        self._contexts = sorted(self._grid)
+        self._rows = [sorted(self._grid[c]) for c in self._contexts]
+        self._lines = [[self._grid[c][r] for r in rows] for c, rows in zip(self._contexts, self._rows)]
 
     @property
     def max_rows(self) -> int:
@@ -66,9 +71,11 @@ class RoundCostTable:
     def seconds(self, rows: int, verify_tokens: int, context: float) -> float:
         """Expected seconds of one round of `rows` rows verifying `verify_tokens` tokens in all."""
         per_row = verify_tokens / rows
-        by_context = [(c, _interpolate([(r, _interpolate(line, per_row)) for r, line in sorted(by_rows.items())], rows))
-                      for c, by_rows in sorted(self._grid.items())]
-        return _interpolate(by_context, context)
+
+        def at_context(i: int) -> float:
+            lines = self._lines[i]
+            return _interpolate_at(self._rows[i], lambda j: _interpolate(lines[j], per_row), rows)
+        return _interpolate_at(self._contexts, at_context, context)
 
     def summary(self) -> str:
         """The measured points in one line, ms per round: "context 64: 1 rows ar 0.27 16 0.45 | ..."."""
@@ -116,6 +123,17 @@ def _interpolate(line: list[tuple[float, float]], x: float) -> float:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     (x0, y0), (x1, y1) = line[-2], line[-1]
     return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
+
+
+def _interpolate_at(xs: list[float], y: Callable[[int], float], x: float) -> float:
+    """`_interpolate` over the points (xs[i], y(i)), computing y only at the points it uses (at
+    most two): the same value, for a table whose every point is itself an interpolation."""
+    if len(xs) == 1 or x <= xs[0]:
+        return y(0)
+    i = bisect.bisect_left(xs, x)
+    if i == len(xs):  # beyond the last point: the last segment's slope, never falling
+        i = len(xs) - 1
+    return _interpolate([(xs[i - 1], y(i - 1)), (xs[i], y(i))], x)
 
 
 def row_counts(max_rows: int) -> list[int]:

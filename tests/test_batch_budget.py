@@ -151,3 +151,88 @@ def test_cost_table_summary_lists_every_point_in_ms():
                             RoundCost(64, 16, "16", 17, 0.00066), RoundCost(64, 16, "ar", 1, 0.00036)])
     assert table.summary() == ("ms per round at context 64, 1 rows: ar 0.27 16 0.45 | "
                                "context 64, 16 rows: ar 0.36 16 0.66")
+
+
+def plain_greedy(chooser: BatchBudget, rows: list[BatchRow]) -> list[TreeShape]:
+    """The choice's search written out with no shortcut: every free row weighs every move in
+    every pass, and every price is the table's (the reference the shortcuts must match)."""
+    cands, costs = chooser.candidates, chooser.costs
+    nodes = [b.nodes(BLOCK) for b in cands]
+    free = [i for i, row in enumerate(rows) if row.budget is None]
+    context = sum(row.context for row in rows) / len(rows)
+    gain = {i: [chooser.acceptance.expected(rows[i].temperature_bucket, b) for b in cands] for i in free}
+    fixed_tokens = sum(row.budget.nodes(BLOCK) for row in rows if row.budget is not None)
+    fixed_gain = sum(chooser.acceptance.expected(row.temperature_bucket, row.budget) for row in rows
+                     if row.budget is not None)
+
+    def rate(tokens, accepted):
+        return accepted / costs.seconds(len(rows), tokens, context)
+    shared = max(range(len(cands)), key=lambda k: rate(fixed_tokens + len(free) * nodes[k],
+                                                       fixed_gain + sum(gain[i][k] for i in free)))
+    pick = dict.fromkeys(free, shared)
+    tokens = fixed_tokens + sum(nodes[k] for k in pick.values())
+    accepted = fixed_gain + sum(gain[i][k] for i, k in pick.items())
+    for _ in free:
+        moved = False
+        for i in free:
+            old = pick[i]
+            best, best_rate = old, rate(tokens, accepted)
+            for k in range(len(cands)):
+                r = rate(tokens - nodes[old] + nodes[k], accepted - gain[i][old] + gain[i][k])
+                if k != old and r > best_rate * (1 + 1e-9):
+                    best, best_rate = k, r
+            if best != old:
+                tokens += nodes[best] - nodes[old]
+                accepted += gain[i][best] - gain[i][old]
+                pick[i], moved = best, True
+        if not moved:
+            break
+    return [row.budget if row.budget is not None else cands[pick[i]] for i, row in enumerate(rows)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choice_equals_the_plain_search(seed):
+    """Skipping a row whose bucket and pick match a row that just stayed, and the table's sorted
+    look-ups, never change the choice: random tables (several contexts and row counts), buckets,
+    named budgets and acceptance, against the search with no shortcut."""
+    import random
+
+    rng = random.Random(seed)
+    base, per_token, per_row = rng.uniform(0.001, 0.02), rng.uniform(1e-6, 3e-4), rng.uniform(0, 1e-3)
+    costs = table(lambda c, r, n: base + per_row * r + per_token * r * n * rng.uniform(0.8, 1.2) + 1e-6 * c,
+                  rows=(1, 2, 4, 8, 16), budgets=(AR, B16, TreeShape.best(32), B64), contexts=(64, 512, 2048))
+    chooser = BatchBudget(costs, BLOCK, (AR, B16, TreeShape.best(32), B64))
+    buckets = ["greedy", "t0.7", "t1"][: rng.randint(1, 3)]
+    for bucket in buckets:
+        for shape in chooser.candidates[1:]:
+            for _ in range(rng.randint(0, 30)):
+                chooser.observe(bucket, shape, rng.randint(1, 9))
+    rows = [BatchRow(rng.choice(buckets), rng.randint(10, 3000),
+                     rng.choice([None, None, None, AR, B16, B64])) for _ in range(rng.randint(1, 24))]
+    assert chooser.choose(rows) == plain_greedy(chooser, rows)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_cost_table_looks_up_only_the_points_it_interpolates_between(seed):
+    """`seconds` computes the lines of the two row counts and contexts around the query only: the
+    same prices as interpolating every line, in range, below it and beyond it."""
+    import random
+
+    from ddtree.round_costs import _interpolate, _running_max
+
+    rng = random.Random(seed)
+    costs = table(lambda c, r, n: rng.uniform(0.001, 0.05), rows=(1, 2, 4, 8, 32), contexts=(64, 1000, 8000))
+    grid: dict = {}
+    for p in costs.points:
+        grid.setdefault(p.context, {}).setdefault(p.rows, {})[p.tokens_per_row] = p.seconds
+
+    def every_line(rows, tokens, context):
+        per_row = tokens / rows
+        by_context = [(c, _interpolate([(r, _interpolate(_running_max(sorted(line.items())), per_row))
+                                        for r, line in sorted(by_rows.items())], rows))
+                      for c, by_rows in sorted(grid.items())]
+        return _interpolate(by_context, context)
+    for _ in range(200):
+        rows = rng.randint(1, 40)
+        query = (rows, rows * rng.randint(1, 80), rng.uniform(0, 12000))
+        assert costs.seconds(*query) == pytest.approx(every_line(*query), rel=1e-12)

@@ -136,8 +136,9 @@ class ServerMetrics:
         self.num_draft_tokens.labels(name).inc(draft_tokens)
         self.num_accepted_tokens.labels(name).inc(sum(a - 1 for a in drafted))
         reached: dict[int, int] = {}
+        histogram = self.acceptance_length.labels(name)  # one label look-up, not one per round
         for a in drafted:
-            self.acceptance_length.labels(name).observe(a)
+            histogram.observe(a)
             for position in range(a - 1):
                 reached[position] = reached.get(position, 0) + 1
         for position, count in reached.items():
