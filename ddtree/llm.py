@@ -179,9 +179,9 @@ class LLM(RequestChecks):
         max_cached_budgets: how many tree budgets besides the default keep their buffers and
         graphs between requests (least recently used beyond it are freed; None keeps every one).
         max_num_seqs: requests decoded together (`generate` with several prompts, `ddtree serve`;
-        ddtree.batching). None: 8 on a CPU; 1 on CUDA, until the batched engine's graphs (rounds of
-        one tree shape, ddtree.batch_round) have passed their GPU tests; 1 for hybrid targets, which
-        batch (each row with its own recurrent state) only when asked.
+        ddtree.batching). None: 8 on a CPU; 1 on CUDA, where batching is opt-in (the README's
+        limits); 1 for hybrid targets, which batch (each row with its own recurrent state) only
+        when asked.
         gpu_memory_utilization: on CUDA, the share of the device's memory this process may hold in
         all; the batched engine's KV cache takes what the rest leaves (ddtree.batch_memory), so
         that short requests leave room for more of them. kv_cache_tokens: the batched engine's KV
@@ -231,7 +231,8 @@ class LLM(RequestChecks):
         self.working_set = BudgetWorkingSet(self.engine, max_cached_budgets)
         if max_num_seqs is not None and max_num_seqs < 1:
             raise DDTreeError(f"max_num_seqs must be >= 1, got {max_num_seqs}", "max_num_seqs")
-        # Hybrid targets batch only when asked: their batched rounds have not yet run on a GPU.
+        # Hybrid targets batch only when asked: on a GPU their batched rounds have been checked in float32 at
+        # `ar` and 16 only, and not timed.
         self.max_num_seqs = max_num_seqs or (1 if self.device.type == "cuda" or cfg.hybrid else 8)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_tokens = kv_cache_tokens

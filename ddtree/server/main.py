@@ -36,8 +36,7 @@ LIMIT_FLAGS = {
     "max_cached_budgets": (int, "tree budgets besides the default whose buffers and graphs stay allocated; "
                                 "the least recently used beyond it are freed"),
     "max_num_seqs": (int, "requests decoded together, in one batch per round; more wait in the queue "
-                          "(default: 8 on a CPU; 1 on CUDA and for hybrid targets, whose batched rounds have not "
-                          "yet run on a GPU)"),
+                          "(default: 8 on a CPU; 1 on CUDA, where batching is opt-in, and for hybrid targets)"),
     "default_max_tokens": (int, "max_tokens of a chat request that names none (fewer when the context has less "
                                 "room; completions default to 16, as in OpenAI)"),
     "max_output_tokens": (int, "most max_tokens a request may ask for; more is answered 400 (default: the "
