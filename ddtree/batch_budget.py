@@ -23,8 +23,9 @@ none (at most one pass per row). Rows of different temperatures can end on diffe
 (a greedy row keeps a tree while a T = 1 row decodes with `ar`). With K candidates and R rows a
 choice costs at most R^2 K table look-ups; a row of the same bucket and pick as the row before it,
 which stayed, is not weighed again (the batch has not changed, so it would stay too). On the
-2-core CPU, 16 rows of one bucket, three candidates: 36 -> 21 us a choice with that and the
-table's look-ups sorted once; it runs every round, on the engine thread.
+2-core CPU, 16 rows of one bucket, three candidates: 34 -> 19 us a choice with that and the
+table's look-ups sorted once (benchmarks/budget_choice_cost.py); it runs every round, on the
+engine thread.
 
 Used from the engine thread only (`ddtree.batching.BatchedRequests.step`), so unlocked.
 """

@@ -114,3 +114,15 @@ def test_bench_client_capacity_against_the_stand_in(tmp_path):
     assert all(r["output_tokens_per_s"] > 0 and r["client_cpu_s"] > 0 for r in result["runs"])
     assert result["client_cpu_us_per_chunk"] == pytest.approx(
         (result["runs"][1]["client_cpu_s"] - result["runs"][0]["client_cpu_s"]) / (8 * 4) * 1e6)
+
+
+def test_budget_choice_cost_times_the_choice_it_makes(tmp_path):
+    """benchmarks/budget_choice_cost.py, few calls: every row gets a budget of the table's, one
+    bucket's rows all the same one, and each timing comes out positive."""
+    out = tmp_path / "choice.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.budget_choice_cost", str(out), "--rows", "6", "--calls", "20"],
+                   check=True, timeout=120, capture_output=True, cwd=ROOT, env=quiet_env())
+    result = json.loads(out.read_text())
+    assert len(result["chosen_one_bucket"]) == len(result["chosen_two_buckets"]) == 6
+    assert len(set(result["chosen_one_bucket"])) == 1 and set(result["chosen_two_buckets"]) <= {"ar", "16", "64"}
+    assert min(result[k] for k in ("choose_one_bucket_us", "choose_two_buckets_us", "table_seconds_us")) > 0
