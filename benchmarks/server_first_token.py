@@ -1,10 +1,12 @@
 """Where a streamed request's time to first token goes inside `ddtree serve`, stage by stage.
 
     python -m benchmarks.server_first_token OUTPUT.json [--requests 60] [--warmup 10] [--engine-us 0]
+        [--engine-process]
 
 The server is `benchmarks.server_overhead`'s (the demo pair on the CPU, its engine replaying one
 recorded generation, each step `--engine-us` of busy Python; the engine a thread of the server's
-process, `serve --no-engine-process`), with marks added around the request's
+process, `serve --no-engine-process`, or with `--engine-process` a process of its own, serve's
+default), with marks added around the request's
 path: the server process times each request from the moment it reaches the app, and a client
 process times it from sending to the first content chunk. The stages, each a median over the
 requests after the warm-up, in ms from the request reaching the app:
@@ -13,12 +15,23 @@ requests after the warm-up, in ms from the request reaching the app:
     prepare_start     that thread starts (the hop to it)
     prepare_end       chat template, tokenizing and the request's checks done
     prepare_back      the handler has the result again (the hop back)
+                      (none of the four when the body is small enough to be tokenized on the
+                      loop, `app.INLINE_PREPARE_BYTES`)
     submit            the job queued for the engine thread
     engine_start      the engine thread has taken it (its wake-up)
     emit              the first event leaves the engine thread
     loop_put          the event loop has put it in the job's queue
     handler_event     the handler has it
     first_content     the first chunk with content is sent
+
+With `--engine-process` the job crosses the pipe: `submit` is the front's send, then (marked in
+the engine process, whose clock is the same system-wide monotonic one)
+
+    engine_submit     the engine process's main thread has read it and queued it for its worker
+    engine_start      the worker thread has taken it
+    emit              the first event leaves the worker (to the pipe)
+
+and `pipe_back` the front's pipe reader has the event, before `loop_put`.
 
 `client_ttft_ms` beside them is the client's view: the rest is the client's own time, the socket
 and uvicorn's parsing of the request before the app sees it.
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,17 +51,25 @@ from pathlib import Path
 
 STAGES = ("prepare_call", "prepare_start", "prepare_end", "prepare_back", "submit", "engine_start", "emit",
           "loop_put", "handler_event", "first_content")
+PROCESS_STAGES = ("prepare_call", "prepare_start", "prepare_end", "prepare_back", "submit", "engine_submit",
+                  "engine_start", "emit", "pipe_back", "loop_put", "handler_event", "first_content")
 
 
 class Marks:
     """The running request's stage times (one request at a time), a JSON line per request."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, engine_thread: bool = True):
+        self.engine_thread = engine_thread
         self.file = path.open("a")
         self.times: dict[str, float] = {}
         self.lock = threading.Lock()
+        self.pid = os.getpid()
 
     def mark(self, stage: str) -> None:
+        if os.getpid() != self.pid:  # the forked engine process: every mark, with its clock time
+            self.file.write(json.dumps({"engine_stage": stage, "t": time.perf_counter()}) + "\n")
+            self.file.flush()
+            return
         with self.lock:
             self.times.setdefault(stage, time.perf_counter())
 
@@ -60,7 +82,7 @@ class Marks:
     def flush(self, times: dict[str, float]) -> None:
         with self.lock:
             t0 = times["arrive"]
-            self.file.write(json.dumps({k: (v - t0) * 1e3 for k, v in times.items()}) + "\n")
+            self.file.write(json.dumps({**{k: (v - t0) * 1e3 for k, v in times.items()}, "arrive_at": t0}) + "\n")
             self.file.flush()
 
 
@@ -68,7 +90,7 @@ def install_marks(marks: Marks) -> None:
     """Wrap the functions on a request's path so that each marks its stage."""
     import anyio.to_thread
 
-    from ddtree.server import middleware, worker
+    from ddtree.server import engine_client, middleware, worker
 
     def before(owner, name: str, stage: str) -> None:
         fn = getattr(owner, name)
@@ -78,7 +100,9 @@ def install_marks(marks: Marks) -> None:
             return fn(*args, **kwargs)
         setattr(owner, name, wrapped)
 
-    before(worker.EngineWorker, "submit", "submit")
+    before(worker.EngineWorker, "submit", "submit" if marks.engine_thread else "engine_submit")
+    before(engine_client.EngineClient, "submit", "submit")
+    before(engine_client.EngineClient, "_deliver", "pipe_back")
     before(worker.EngineWorker, "_start", "engine_start")
     before(worker, "emit_all", "emit")
     before(worker, "_put_all", "loop_put")
@@ -132,7 +156,8 @@ def measure(args) -> dict:
         marks_path = Path(tmp) / "marks.jsonl"
         child = subprocess.Popen([sys.executable, "-m", "benchmarks.server_first_token", "--serve", str(args.port),
                                   "--marks", str(marks_path), "--engine-us", str(args.engine_us),
-                                  "--max-tokens", str(args.max_tokens)])
+                                  "--max-tokens", str(args.max_tokens),
+                                  *(["--engine-process"] if args.engine_process else [])])
         url = f"http://127.0.0.1:{args.port}"
         try:
             with httpx.Client(timeout=120) as client:
@@ -141,16 +166,33 @@ def measure(args) -> dict:
         finally:
             child.terminate()
             child.wait(30)
-        rows = [json.loads(line) for line in marks_path.read_text().splitlines()][args.warmup:]
-    complete = [row for row in rows if all(stage in row for stage in STAGES)]
+        lines = [json.loads(line) for line in marks_path.read_text().splitlines()]
+    rows = with_engine_marks([r for r in lines if "engine_stage" not in r],
+                             [r for r in lines if "engine_stage" in r])[args.warmup:]
+    stages = PROCESS_STAGES if args.engine_process else STAGES
+    # A small body is tokenized on the loop (no worker thread): its rows have no prepare_* marks.
+    stages = [s for s in stages if not s.startswith("prepare_") or any(s in row for row in rows)]
+    complete = [row for row in rows if all(stage in row for stage in stages)]
     return {
         "benchmark": "server_first_token",
         "command": " ".join(["python -m benchmarks.server_first_token", *sys.argv[1:]]),
+        "engine_process": args.engine_process,
         "engine_us": args.engine_us, "requests": args.requests, "requests_with_every_stage": len(complete),
-        "requests_without": {stage: sum(stage not in row for row in rows) for stage in STAGES},
+        "requests_without": {stage: sum(stage not in row for row in rows) for stage in stages},
         "client_ttft_ms": statistics.median(r["ttft_s"] for r in runs[args.warmup:]) * 1e3,
-        "stages_ms": {stage: statistics.median(row[stage] for row in complete) for stage in STAGES},
+        "stages_ms": {stage: statistics.median(row[stage] for row in complete) for stage in stages},
     }
+
+
+def with_engine_marks(rows: list[dict], engine_marks: list[dict]) -> list[dict]:
+    """Each request's row with the engine process's first mark of each stage between its arrival
+    and the next request's (one request at a time), in ms from its arrival."""
+    starts = [row["arrive_at"] for row in rows] + [float("inf")]
+    for row, start, end in zip(rows, starts, starts[1:]):
+        for mark in engine_marks:
+            if start <= mark["t"] < end:
+                row.setdefault(mark["engine_stage"], (mark["t"] - start) * 1e3)
+    return rows
 
 
 def main() -> int:
@@ -163,13 +205,15 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--engine-process", action="store_true", help="the engine in a process of its own (serve's default)")
     args = p.parse_args()
     if args.serve is not None:
         from benchmarks.server_overhead import serve
 
-        install_marks(Marks(Path(args.marks)))
-        # The engine as a thread of the server's process: the marks of both sides share one clock and file.
-        return serve(args.serve, args.engine_us, args.max_tokens, 1, 1.0, engine_thread=True)
+        install_marks(Marks(Path(args.marks), engine_thread=not args.engine_process))
+        # A thread of the server's process, or a process forked from it with the marks installed:
+        # either way every mark is on the system's monotonic clock, in one file.
+        return serve(args.serve, args.engine_us, args.max_tokens, 1, 1.0, engine_thread=not args.engine_process)
     result = measure(args)
     print(json.dumps(result, indent=1))
     if args.output:

@@ -341,3 +341,31 @@ def test_load_with_warmup_and_max_num_seqs_captures_the_batched_rounds(demo_pair
     assert [budgets for _, budgets in calls] == [[CHAIN]]
     assert calls[0][0] is warm.batched(batch_max_nodes(warm, 32)).engine  # the worker's batch, not a new one
     assert warm.engine.buffers == {}
+
+
+def test_small_bodies_are_tokenized_on_the_loop_and_large_ones_in_a_worker_thread(llm, monkeypatch):
+    """A body up to INLINE_PREPARE_BYTES is templated and tokenized on the event loop (no hop to a
+    worker thread and back before its first token); a larger one in a worker thread, so that a
+    long prompt never holds the loop. Both get the same answer."""
+    from ddtree.server import app as app_module
+
+    on_loop = []  # per request: whether its prompt was encoded on the event loop's thread
+    encode = llm.prompt_ids
+
+    def recording(prompt):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker thread runs no loop
+            on_loop.append(False)
+        return encode(prompt)
+    monkeypatch.setattr(llm, "prompt_ids", recording)
+    padding = " " * (app_module.INLINE_PREPARE_BYTES + 1)  # JSON whitespace: the same request, a larger body
+    small = json.dumps(GOOD)
+    large = small[:-1] + padding + "}"
+    with TestClient(create_app(llm)) as client:
+        answers = [client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                   for body in (small, large)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+    assert on_loop == [True, False]

@@ -11,8 +11,8 @@ before it has been validated in full and checked against the server's limits (`S
 server fault is a 500 whose body holds a request id and no internal detail; the log has the rest.
 
 Request bodies are parsed here, not by FastAPI: within limits and a slice at a time
-(ddtree.server.json_body), so that no body holds the event loop; prompts are tokenized in worker
-threads, a few at a time.
+(ddtree.server.json_body), so that no body holds the event loop; the prompts of small bodies are
+tokenized on the loop, larger ones in worker threads, a few at a time.
 """
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ from ddtree.server.worker import LOADING, READY, EngineFailure, EngineUnavailabl
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 PREPARE_THREADS = 2  # requests tokenized at once: tokenizing releases the GIL, but each takes a core
+# Bodies up to this size are templated and tokenized on the event loop itself (a few hundred us at
+# most): the two hops to a worker thread and back cost a request's first token more than that (on
+# the 2-core CPU, zero-cost engine in its own process: benchmarks/README.md). Larger ones go to the
+# worker threads, so that no long prompt holds the loop.
+INLINE_PREPARE_BYTES = 16384
 RETRY_AFTER_LOADING_S = 5
 RETRY_AFTER_QUEUE_FULL_S = 1
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -305,8 +310,11 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
                                   "(--max-tree-budget)", "tree_budget")
         return body, llm
 
-    async def prepared(prepare: Callable[[], tuple]) -> tuple:
-        """prepare() (tokenizing, a few requests at a time) in a worker thread."""
+    async def prepared(request: Request, prepare: Callable[[], tuple]) -> tuple:
+        """prepare() (templating and tokenizing): on the loop for a small body, else in a worker thread
+        (a few requests at a time)."""
+        if len(await request.body()) <= INLINE_PREPARE_BYTES:  # the body is read already: no wait
+            return prepare()
         if not prepare_slots:
             prepare_slots.append(anyio.CapacityLimiter(PREPARE_THREADS))
         return await anyio.to_thread.run_sync(prepare, limiter=prepare_slots[0])
@@ -328,7 +336,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             params = body.sampling_params(default_max_tokens=limits.capped(COMPLETION_MAX_TOKENS))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
-        prompt_ids, params, budget = await prepared(prepare)
+        prompt_ids, params, budget = await prepared(request, prepare)
         job = submit(request, prompt_ids, params, budget, llm.adapts(body.tree_budget))
         reply = Reply("cmpl", "text_completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
@@ -345,7 +353,7 @@ def _add_generation_routes(app: FastAPI, worker: EngineWorker, model_name: str, 
             params = body.sampling_params(default_max_tokens=limits.default_output_tokens(llm.max_model_len - len(prompt_ids)))
             return prompt_ids, params, llm.check_request(prompt_ids, params, body.tree_budget)
 
-        prompt_ids, params, budget = await prepared(prepare)
+        prompt_ids, params, budget = await prepared(request, prepare)
         job = submit(request, prompt_ids, params, budget, llm.adapts(body.tree_budget))
         reply = Reply("chatcmpl", "chat.completion", model_name, body, prompt_ids, job.request_id, _token_text(llm))
         if body.stream:
@@ -358,12 +366,12 @@ def _add_tokenize_routes(app: FastAPI, read_body, prepared) -> None:
     @app.post("/tokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(TokenizeRequest))
     async def tokenize_route(request: Request):
         body, llm = await read_body(request, TokenizeRequest)
-        return (await prepared(lambda: (tokenize(llm, body),)))[0]
+        return (await prepared(request, lambda: (tokenize(llm, body),)))[0]
 
     @app.post("/detokenize", responses=ERROR_RESPONSES, openapi_extra=_request_body(DetokenizeRequest))
     async def detokenize_route(request: Request):
         body, llm = await read_body(request, DetokenizeRequest)
-        return (await prepared(lambda: (detokenize(llm, body),)))[0]
+        return (await prepared(request, lambda: (detokenize(llm, body),)))[0]
 
 
 def _check_output_cap(body: SamplingFields, cap: int | None) -> None:
