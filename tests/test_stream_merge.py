@@ -33,6 +33,17 @@ def test_merged_keeps_order_text_logprobs_and_the_last_result():
     assert StreamEvent.merged([StreamEvent([1], "x"), StreamEvent([2], "y")]).logprobs is None
 
 
+def test_events_cross_the_engine_pipe_whole():
+    """The engine process pickles each round's events for the front: every field comes back."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    lp = [TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.5)])]
+    for event in (StreamEvent([5, 6], "ab"), StreamEvent([5], "a", _result(), lp)):
+        back = pickle.loads(bytes(ForkingPickler.dumps(("items", [(3, event)]))))[1][0][1]
+        assert back == event and type(back) is StreamEvent
+
+
 def test_next_event_merges_what_waits_and_raises_an_error_after_it():
     async def run():
         job = _job(asyncio.get_running_loop())
