@@ -132,3 +132,14 @@ def test_budget_choice_cost_times_the_choice_it_makes(tmp_path):
     assert len(result["chosen_one_bucket"]) == len(result["chosen_two_buckets"]) == 6
     assert len(set(result["chosen_one_bucket"])) == 1 and set(result["chosen_two_buckets"]) <= {"ar", "16", "64"}
     assert min(result[k] for k in ("choose_one_bucket_us", "choose_two_buckets_us", "table_seconds_us")) > 0
+
+
+def test_pipe_events_times_a_round_that_round_trips(tmp_path):
+    """benchmarks/pipe_events.py, few calls: the round's message comes back equal (checked inside)
+    and both timings come out positive."""
+    out = tmp_path / "pipe.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.pipe_events", str(out), "--rows", "3", "--calls", "20"],
+                   check=True, timeout=120, capture_output=True, cwd=ROOT, env=quiet_env())
+    result = json.loads(out.read_text())
+    assert result["rows"] == 3 and result["bytes"] > 0
+    assert result["pickle_us"] > 0 and result["unpickle_us"] > 0
