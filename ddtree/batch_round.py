@@ -146,11 +146,9 @@ class UniformRounds:
         return self._copy_summary(bufs), logprobs
 
     def _choose(self, seqs: list, bufs: RowBuffers, logits: torch.Tensor) -> None:
-        """The target's token at every node into bufs.choices: greedy rows by one argmax over all
-        rows (padding rows included), sampled rows from their own slice with their own generator."""
+        """The sampled rows' tokens at their nodes into bufs.choices, each from its own slice with its
+        own generator, over the argmax the front wrote for every row (`_front_and_argmax`)."""
         m = bufs.size
-        if any(seq.params.greedy for seq in seqs):
-            bufs.choices.copy_(torch.argmax(logits, dim=-1))
         for seq in seqs:
             if not seq.params.greedy:
                 nodes = slice(seq.row * m, (seq.row + 1) * m)
@@ -179,6 +177,14 @@ class UniformRounds:
         return bufs.summary_host[index].tolist()
 
     # -- front: draft, build, verify -----------------------------------------------------------
+
+    def _front_and_argmax(self, bufs: RowBuffers, budget: TreeShape, kv_len: int, feeds: bool) -> torch.Tensor:
+        """`_front`, then every node's argmax into bufs.choices (the greedy rows' tokens; a sampled
+        row's are overwritten by `_choose`): inside the front's graph, so that a greedy batch
+        launches nothing between the two graphs."""
+        logits = self._front(bufs, budget, kv_len, feeds)
+        bufs.choices.copy_(torch.argmax(logits, dim=-1))
+        return logits
 
     def _front(self, bufs: RowBuffers, budget: TreeShape, kv_len: int, feeds: bool) -> torch.Tensor:
         """Every row's draft, tree and verify at its device n / root -> logits [R * M, V] (float32)."""
@@ -337,7 +343,7 @@ class UniformRounds:
 
     def _run_front(self, bufs: RowBuffers, budget: TreeShape, kv_len: int, feeds: bool) -> torch.Tensor:
         if not self.use_graphs:
-            return self._front(bufs, budget, kv_len, feeds)
+            return self._front_and_argmax(bufs, budget, kv_len, feeds)
         key = (bufs.rows, budget, kv_len, feeds)
         if key not in self.front_graphs:
             self._capture_front(bufs, budget, kv_len, feeds)
@@ -353,7 +359,8 @@ class UniformRounds:
             bufs.logits = torch.zeros(bufs.rows * bufs.size, self.engine.target.config.vocab_size,
                                       dtype=torch.float32, device=self.engine.device)
         key = (bufs.rows, budget, kv_len, feeds)
-        self.front_graphs[key] = self.capture(lambda: bufs.logits.copy_(self._front(bufs, budget, kv_len, feeds)))
+        self.front_graphs[key] = self.capture(
+            lambda: bufs.logits.copy_(self._front_and_argmax(bufs, budget, kv_len, feeds)))
 
     def _capture_back(self, bufs: RowBuffers, budget: TreeShape, feeds: bool) -> None:
         """Capture the back of (rows, budget) before this round's front. Its warm-up run is a real
