@@ -14,26 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 
 from ddtree.batch_budget import BatchBudget, BatchRow
 from ddtree.bench.machine import git_revision
+from ddtree.bench.timing import host_us_per_call
 from ddtree.config import parse_tree_budget
 from ddtree.round_costs import RoundCost, RoundCostTable
 
 # ms per round at context 64 by rows: ar, 16, 64 (the H200 server's start-up timing of the demo pair)
 H200_DEMO_MS = {1: (0.28, 0.41, 0.47), 2: (0.32, 0.47, 0.53), 4: (0.28, 0.49, 0.56), 8: (0.29, 0.56, 0.62),
                 16: (0.32, 0.62, 0.77), 32: (0.40, 0.84, 1.02)}
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(calls // 10):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> int:
@@ -58,9 +49,9 @@ def main() -> int:
             f"--{k} {v}" for k, v in vars(args).items() if k != "output"),
         "git_revision": git_revision(),
         "rows": args.rows,
-        "choose_one_bucket_us": per_call_us(lambda: chooser.choose(one_bucket), args.calls),
-        "choose_two_buckets_us": per_call_us(lambda: chooser.choose(two_buckets), args.calls),
-        "table_seconds_us": per_call_us(lambda: table.seconds(args.rows, args.rows * 65, 180.0), args.calls),
+        "choose_one_bucket_us": host_us_per_call(lambda: chooser.choose(one_bucket), args.calls),
+        "choose_two_buckets_us": host_us_per_call(lambda: chooser.choose(two_buckets), args.calls),
+        "table_seconds_us": host_us_per_call(lambda: table.seconds(args.rows, args.rows * 65, 180.0), args.calls),
         "chosen_one_bucket": [b.label for b in chooser.choose(one_bucket)],
         "chosen_two_buckets": [b.label for b in chooser.choose(two_buckets)],
     }

@@ -12,21 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from ddtree.bench.machine import git_revision
+from ddtree.bench.timing import host_us_per_call
 from ddtree.llm import StreamEvent
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(calls // 10):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> int:
@@ -47,8 +38,8 @@ def main() -> int:
             f"--{k} {v}" for k, v in vars(args).items() if k != "output"),
         "git_revision": git_revision(),
         "rows": args.rows, "tokens": args.tokens, "bytes": len(data),
-        "pickle_us": per_call_us(lambda: ForkingPickler.dumps(message), args.calls),
-        "unpickle_us": per_call_us(lambda: pickle.loads(data), args.calls),
+        "pickle_us": host_us_per_call(lambda: ForkingPickler.dumps(message), args.calls),
+        "unpickle_us": host_us_per_call(lambda: pickle.loads(data), args.calls),
     }
     print(json.dumps(result, indent=1))
     if args.output:

@@ -84,8 +84,8 @@ class StreamEvent:
 
     def __reduce__(self):
         # Pickled as a constructor call, not a dataclass's state: the engine process sends every
-        # round's events over a pipe (16 events on the CPU: 12.0 -> 8.8 us to pickle, 7.5 -> 4.4 to
-        # unpickle; benchmarks/pipe_events.py).
+        # round's events over a pipe (16 events on the CPU: 12.0 -> 8.7 us to pickle, 7.6 -> 4.7 to
+        # unpickle; benchmarks/pipe_events.py, results/pipe_events_cpu*.json).
         return StreamEvent, (self.token_ids, self.text, self.result, self.logprobs)
 
     @staticmethod

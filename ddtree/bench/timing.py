@@ -1,7 +1,8 @@
-"""Device timing shared by the benchmark scripts."""
+"""Device and host timing shared by the benchmark scripts."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -17,3 +18,13 @@ def median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def host_us_per_call(fn, calls: int) -> float:
+    """Mean microseconds of one fn() on the host, over `calls` calls after a tenth as many untimed."""
+    for _ in range(calls // 10):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
