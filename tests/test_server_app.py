@@ -96,6 +96,47 @@ def test_engine_failure_mid_stream_ends_with_an_error_chunk(demo_pair, batched):
         assert client.get("/health").status_code == 503
 
 
+class RecordedWrites:
+    """The app, with every response body write it makes recorded (one string each)."""
+
+    def __init__(self, app):
+        self.app, self.writes = app, []
+
+    async def __call__(self, scope, receive, send):
+        async def recording(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                self.writes.append(message["body"].decode())
+            await send(message)
+        await self.app(scope, receive, recording)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+                              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {**GOOD, "stream": True}),
+], ids=["chat_with_usage", "completion"])
+def test_a_stream_ends_in_one_write(llm, path, body):
+    """The last event's chunk, the usage chunk and "data: [DONE]" leave in one write; every other
+    write holds one chunk (the role, then one per engine step)."""
+    app = RecordedWrites(create_app(llm))
+    with TestClient(app) as client:
+        response = client.post(path, json=body)
+    assert response.status_code == 200
+    writes = app.writes
+    assert "".join(writes) == response.text
+    last = [line for line in writes[-1].split("\n") if line]
+    assert last[-1] == "data: [DONE]"
+    final = [json.loads(line[len("data: "):]) for line in last[:-1]]
+    assert final[0]["choices"][0]["finish_reason"] == "length"
+    if "stream_options" in body:
+        assert len(final) == 2 and final[1]["choices"] == [] and final[1]["usage"]["completion_tokens"] == 5
+    else:
+        assert len(final) == 1
+    for write in writes[:-1]:
+        lines = [line for line in write.split("\n") if line]
+        assert len(lines) == 1 and json.loads(lines[0][len("data: "):])["choices"][0]["finish_reason"] is None
+
+
 def test_api_key_guards_v1_only(llm):
     app = create_app(llm, served_model_name="guarded", api_key="sk-right")
     with TestClient(app) as client:

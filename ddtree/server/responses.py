@@ -19,11 +19,27 @@ from ddtree.server.worker import EngineFailure, EngineUnavailable, Job
 log = logging.getLogger("ddtree.server")
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+DONE = object()  # in a batch of chunks: the stream's end, "data: [DONE]", sent in the same write
+
+
+def sse(batches: AsyncIterator[list]) -> StreamingResponse:
+    """A server-sent-event stream of `batches`: each a list of chunks (dicts) sent in one write, so
+    that a round's last chunk, the usage chunk and the end of the stream leave together (each write
+    costs the loop a pass through the middleware and a socket send); a batch ending in DONE ends
+    the stream, which otherwise ends with "data: [DONE]" on its own."""
     async def encode():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
+        needs_done = True
+        async for batch in batches:
+            lines = []
+            for chunk in batch:
+                if chunk is DONE:
+                    lines.append("data: [DONE]\n\n")
+                    needs_done = False
+                else:
+                    lines.append(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n")
+            yield "".join(lines)
+        if needs_done:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(encode(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -105,36 +121,41 @@ class Reply:
         finally:
             job.cancel()
 
-    def _final(self, chunk: dict, result) -> list[dict]:
+    def _batch(self, chunk: dict, result) -> list:
+        """An event's chunk, and after the last event (a result) its stats, the usage chunk and
+        the stream's end: one write (`sse`)."""
+        if result is None:
+            return [chunk]
         chunk["ddtree"] = asdict(result.stats)
         out = [chunk]
         if self.body.include_usage:
             out.append({**self._head(chunk["object"]), "choices": [], "usage": self._usage(result)})
-        return out
+        return [*out, DONE]
 
     async def completion_chunks(self, job: Job):
+        """Batches of stream chunks (`sse`): one per event."""
         first = True
         async for event in self._events(job):
-            if isinstance(event, dict):
-                yield event
+            if isinstance(event, dict):  # an error: the stream's last chunk
+                yield [event, DONE]
                 return
             finish = event.result.finish_reason if event.result is not None else None
             choice = self._ids({"index": 0, "text": event.text, "logprobs": self._logprobs(event.logprobs, chat=False),
                                 "finish_reason": finish},
                                event.token_ids, first)
             first = False
-            chunk = {**self._head("text_completion"), "choices": [choice]}
-            for out in (self._final(chunk, event.result) if event.result is not None else [chunk]):
-                yield out
+            yield self._batch({**self._head("text_completion"), "choices": [choice]}, event.result)
 
     async def chat_chunks(self, job: Job):
+        """Batches of stream chunks (`sse`): the role first, on its own (sent while the prompt is
+        prefilled), then one per event."""
         head = self._head("chat.completion.chunk")
-        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]}
+        yield [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}]
         first = True
         async for event in self._events(job):
-            if isinstance(event, dict):
-                yield event
+            if isinstance(event, dict):  # an error: the stream's last chunk
+                yield [event, DONE]
                 return
             finish = event.result.finish_reason if event.result is not None else None
             delta = {"content": event.text} if event.text or finish is None else {}
@@ -142,6 +163,4 @@ class Reply:
                                 "finish_reason": finish},
                                event.token_ids, first)
             first = False
-            chunk = {**head, "choices": [choice]}
-            for out in (self._final(chunk, event.result) if event.result is not None else [chunk]):
-                yield out
+            yield self._batch({**head, "choices": [choice]}, event.result)
