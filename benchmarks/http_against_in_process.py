@@ -3,7 +3,7 @@ and `ddtree bench --base-url` against a `ddtree serve` of the same pair, with th
 
     python -m benchmarks.http_against_in_process OUTPUT.json [--tree-budgets ar,64] [--num-prompts 32]
         [--max-tokens 128] [--modes process,thread] [--warmup-server] [--target DIR --draft DIR]
-        [--device cuda] [--dtype bfloat16] [--max-model-len N] [--port 8139]
+        [--device cuda] [--dtype bfloat16] [--max-model-len N] [--port 8139] [--serve-max-num-seqs N]
 
 The in-process bench runs first, then for each of `--modes` a server is started (`process`: the
 engine in its own process, serve's default; `thread`: `--no-engine-process`), benched over HTTP
@@ -52,6 +52,7 @@ def serve_and_bench(args, mode: str, output: Path) -> None:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--port", str(args.port), "--log-level", "warning",
            *model_flags(args), *(["--warmup"] if args.warmup_server else []),
+           *(["--max-num-seqs", str(args.serve_max_num_seqs)] if args.serve_max_num_seqs else []),
            "--engine-process" if mode == "process" else "--no-engine-process"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_")}
     server = subprocess.Popen(cmd, env=env)
@@ -88,6 +89,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--modes", default="process,thread", help="process (serve's default), thread, or both")
     p.add_argument("--warmup-server", action="store_true", help="serve --warmup (capture every graph first)")
+    p.add_argument("--serve-max-num-seqs", type=int, help="serve --max-num-seqs N: the batched worker, at one "
+                   "stream still (the in-process bench decodes one request at a time either way)")
     p.add_argument("--target")
     p.add_argument("--draft")
     p.add_argument("--device")
@@ -107,7 +110,7 @@ def main() -> int:
     in_process = by_budget(offline)
     result = {"benchmark": "http_against_in_process",
               "command": " ".join(["python -m benchmarks.http_against_in_process", *sys.argv[1:]]),
-              "offline": str(offline), "modes": {}}
+              "offline": str(offline), "serve_max_num_seqs": args.serve_max_num_seqs, "modes": {}}
     for mode in modes:
         live = out.with_name(f"{out.stem}_{mode}.json")
         serve_and_bench(args, mode, live)

@@ -60,7 +60,7 @@ def test_http_against_in_process_reports_each_mode_and_budget(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["modes"]) == {"process", "thread"}
+    assert set(result["modes"]) == {"process", "thread"} and result["serve_max_num_seqs"] is None
     for mode in result["modes"].values():
         assert set(mode["budgets"]) == {"ar", "16"}
         for row in mode["budgets"].values():
