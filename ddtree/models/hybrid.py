@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels import gdn_prefill
 from ddtree.kv_cache import KVCache
 from ddtree.models import gated_deltanet as gdn
 from ddtree.models.configs import TargetConfig
@@ -274,7 +275,8 @@ class GatedDeltaNet(nn.Module):
     def _advance(self, mixed, a, b, state: torch.Tensor, window: torch.Tensor, length, fresh: bool, ops: HybridOps):
         """Run a sequence (a prefill, an `ar` step, a commit) from (state, window) [K - 1, C], both
         updated in place to after its first `length` rows -> o [T, Hv, Dv] float32. The recurrence:
-        the token-loop kernel where the kernels run, else `LOOP_MAX_TOKENS` picks the form."""
+        the token-loop kernel where the kernels run (a long bf16 run through flash-linear-attention
+        with DDTREE_FLA_PREFILL=1, `kernels.gdn_prefill`), else `LOOP_MAX_TOKENS` picks the form."""
         t, k1 = mixed.shape[0], self.kernel - 1
         if fresh:
             state.zero_()
@@ -285,6 +287,8 @@ class GatedDeltaNet(nn.Module):
         last = torch.arange(k1, device=mixed.device) + (t if length is None else length)
         window.copy_(padded.index_select(0, last))
         if _use_kernels(q, k, v, state):  # any length, a prefill too (LOOP_MAX_TOKENS)
+            if gdn_prefill.usable(v, state):  # a long run through flash-linear-attention's chunks (opt-in)
+                return gdn_prefill.chunked_gated_delta(q, k, v, g, beta, state, length)
             return gdn_kernels.recurrent_gated_delta(q, k, v, g, beta, state, length)
         if t <= LOOP_MAX_TOKENS and not fresh:
             return gdn.recurrent_gated_delta(q, k, v, g, beta, state, length)

@@ -1,0 +1,76 @@
+"""A hybrid target's prompt through flash-linear-attention's chunked gated delta rule (`fla-core`).
+
+The token-loop kernel (`kernels.gdn_tree.recurrent_gated_delta`) walks a prompt one token at a
+time: on the H200 at Qwen3.6-27B's heads it took 11.8 us a layer for 16 tokens, about 0.5 us a
+token past the first (`gdn_kernels_h200.json`), so an 8192-token prompt spends an estimated
+0.2 s of its 0.96 s time to first token there (48 layers; the floor is 0.53 s), not measured
+apart. flash-linear-attention's `chunk_gated_delta_rule` runs the same recurrence in chunks of 64
+tokens on tensor cores (the intra-chunk WY form, one state pass per chunk), with grouped value
+heads (Hv a multiple of Hk) and an initial and final state in our layout ([Hv, Dk, Dv], float32).
+
+Where it runs (`usable`): `DDTREE_FLA_PREFILL=1`, fla importable, CUDA, 2-byte values (its
+products round through bf16/fp16 and TF32: float32 targets keep the token loop, exact in float32,
+which their parity tests rely on), a float32 contiguous state, at least
+`MIN_TOKENS` tokens, and not while a CUDA graph is captured (the padded prefill graphs keep the
+token loop). Off by default until its time to first token and its outputs have been measured on a
+GPU against the token loop (benchmarks/README.md).
+
+Rows at or past `length` are a padded prefill's padding: their decay and write strength are set
+to 0 (decay exp(0) = 1), so the final state is the one after the first `length` rows, as the
+token loop leaves it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+ENABLED = os.environ.get("DDTREE_FLA_PREFILL", "0") == "1"
+MIN_TOKENS = 64  # shorter runs (an `ar` step, a commit, a short prompt) fill less than one chunk: the token loop
+VALUE_DTYPES = (torch.bfloat16, torch.float16)
+_RULE: list = []  # [flash-linear-attention's chunk_gated_delta_rule, or None], imported at the first ask
+
+
+def chunk_rule() -> Callable | None:
+    """flash-linear-attention's chunked rule, or None where `fla-core` is not installed (imported
+    only once asked: it is a GPU path, opt-in)."""
+    if not _RULE:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError:  # the CPU install, or a GPU one without the `fla` extra
+            chunk_gated_delta_rule = None
+        _RULE.append(chunk_gated_delta_rule)
+    return _RULE[0]
+
+
+def usable(v: torch.Tensor, state: torch.Tensor) -> bool:
+    """Whether `chunked_gated_delta` runs these inputs (module docstring). v [T, Hv, Dv]; state
+    [Hv, Dk, Dv]."""
+    return (ENABLED and v.is_cuda and v.dtype in VALUE_DTYPES and v.shape[0] >= MIN_TOKENS
+            and state.dtype == torch.float32 and state.is_contiguous()
+            and not torch.cuda.is_current_stream_capturing() and chunk_rule() is not None)
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, length: torch.Tensor | int | None = None,
+                        chunk: Callable | None = None) -> torch.Tensor:
+    """A run of tokens from `state`, which is updated in place to the state after its first `length`
+    rows (all when None). q, k [T, Hk, Dk] (L2-normalised, q scaled by Dk ** -0.5, as
+    `gated_deltanet.normalize_qk` makes them); v [T, Hv, Dv]; g (log-decay), beta [T, Hv];
+    state [Hv, Dk, Dv] float32. -> o [T, Hv, Dv] float32.
+
+    chunk: the chunked rule to call, with `chunk_gated_delta_rule`'s arguments (tests pass a
+    reference of the same contract; None: flash-linear-attention's)."""
+    chunk = chunk or chunk_rule()
+    t = v.shape[0]
+    g, beta = g.float(), beta.float()
+    if length is not None:
+        live = torch.arange(t, device=v.device) < length
+        g = g * live[:, None]
+        beta = beta * live[:, None]
+    dtype = v.dtype
+    o, final = chunk(q.to(dtype)[None], k.to(dtype)[None], v[None], g[None], beta.to(dtype)[None], scale=1.0,
+                     initial_state=state[None], output_final_state=True)
+    state.copy_(final[0])
+    return o[0].float()

@@ -1,0 +1,63 @@
+"""The prefill through flash-linear-attention's chunked rule (`kernels.gdn_prefill`): its use of
+that library's contract, checked on the CPU against the library's own PyTorch reference (the GPU
+kernel is `test_gpu_hybrid.py`'s), and the conditions under which it runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.kernels import gdn_prefill
+from ddtree.models import gated_deltanet as gdn
+
+naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")  # fla-core is a test dependency
+
+
+def fla_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """`chunk_gated_delta_rule`'s contract ([B, T, H, K] inputs, grouped value heads, log-decay g,
+    post-sigmoid beta, state [N, Hv, K, V]) through the library's token-by-token reference."""
+    group = v.shape[2] // q.shape[2]
+    return naive.naive_recurrent_gated_delta_rule(q.repeat_interleave(group, 2), k.repeat_interleave(group, 2), v,
+                                                  beta, g, scale=scale, initial_state=initial_state,
+                                                  output_final_state=output_final_state)
+
+
+def inputs(t: int, seed: int, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 32):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = gdn.normalize_qk(torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen))
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = F.logsigmoid(torch.randn(t, hv, generator=gen))
+    beta = torch.rand(t, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length", [None, 45, "tensor"])
+def test_chunked_prefill_equals_the_token_loop(length):
+    """Outputs and the state after the first `length` rows equal the token loop's (ours, PyTorch);
+    the padding rows past `length` leave the state as it was after them."""
+    q, k, v, g, beta, state = inputs(70, 3)
+    n = {None: None, 45: 45, "tensor": torch.tensor(45)}[length]
+    expected_state = state.clone()
+    expected = gdn.recurrent_gated_delta(q, k, v, g, beta, expected_state, n)
+    got_state = state.clone()
+    got = gdn_prefill.chunked_gated_delta(q, k, v, g, beta, got_state, n, chunk=fla_reference)
+    live = 70 if n is None else 45
+    torch.testing.assert_close(got[:live], expected[:live], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, expected_state, atol=1e-5, rtol=1e-5)
+    assert got.dtype == torch.float32 and got.shape == (70, 4, 32)
+
+
+def test_the_prefill_runs_only_where_it_is_asked_for_and_fits(monkeypatch):
+    """Off unless DDTREE_FLA_PREFILL=1; then only on CUDA, for 2-byte values, long runs and a float32
+    state (this CPU box answers no for its tensors whatever it is asked)."""
+    q, k, v, g, beta, state = inputs(70, 4)
+    monkeypatch.setattr(gdn_prefill, "ENABLED", False)
+    assert not gdn_prefill.usable(v.bfloat16(), state)
+    monkeypatch.setattr(gdn_prefill, "ENABLED", True)
+    assert not gdn_prefill.usable(v.bfloat16(), state)  # a CPU tensor
+    if torch.cuda.is_available():
+        cuda_state = state.cuda()
+        assert not gdn_prefill.usable(v.cuda(), cuda_state)  # float32 values keep the exact token loop
+        assert not gdn_prefill.usable(v[:10].cuda().bfloat16(), cuda_state)  # shorter than a chunk
+        assert gdn_prefill.usable(v.cuda().bfloat16(), cuda_state) == (gdn_prefill.chunk_rule() is not None)
