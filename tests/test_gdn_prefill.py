@@ -1,6 +1,8 @@
-"""The prefill through flash-linear-attention's chunked rule (`kernels.gdn_prefill`): its use of
-that library's contract, checked on the CPU against the library's own PyTorch reference (the GPU
-kernel is `test_gpu_hybrid.py`'s), and the conditions under which it runs."""
+"""The prefill through flash-linear-attention's chunked rule (`kernels.gdn_prefill`) on the CPU:
+its handling of the call (layouts, grouped value heads, the state in and out, padding rows) with a
+stand-in that keeps the library's documented contract, and, where fla-core is installed (a CUDA
+machine with the `fla` extra), the call checked against the library's own PyTorch reference. The
+library's GPU kernel is `test_gpu_gdn_prefill.py`'s."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +12,20 @@ import torch.nn.functional as F
 from ddtree.kernels import gdn_prefill
 from ddtree.models import gated_deltanet as gdn
 
-naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")  # fla-core is a test dependency
+
+def contract_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """`chunk_gated_delta_rule`'s documented contract through our token loop: q, k [B, T, H, K]
+    (q multiplied by `scale`, 1/sqrt(K) when None), v [B, T, Hv, V] (value head j reads key head
+    j // (Hv / H)), g log-decay and beta [B, T, Hv], state [N, Hv, K, V] float32 -> (o, final)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    state = initial_state[0].clone()
+    o = gdn.recurrent_gated_delta(q[0].float() * scale, k[0].float(), v[0].float(), g[0], beta[0].float(), state)
+    return o[None], state[None]
 
 
 def fla_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    """`chunk_gated_delta_rule`'s contract ([B, T, H, K] inputs, grouped value heads, log-decay g,
-    post-sigmoid beta, state [N, Hv, K, V]) through the library's token-by-token reference."""
+    """The same contract through the library's token-by-token reference (its heads repeated for GVA)."""
+    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
     group = v.shape[2] // q.shape[2]
     return naive.naive_recurrent_gated_delta_rule(q.repeat_interleave(group, 2), k.repeat_interleave(group, 2), v,
                                                   beta, g, scale=scale, initial_state=initial_state,
@@ -32,8 +42,9 @@ def inputs(t: int, seed: int, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 
     return q, k, v, g, beta, state
 
 
+@pytest.mark.parametrize("rule", [contract_stand_in, fla_reference], ids=["contract", "fla_reference"])
 @pytest.mark.parametrize("length", [None, 45, "tensor"])
-def test_chunked_prefill_equals_the_token_loop(length):
+def test_chunked_prefill_equals_the_token_loop(rule, length):
     """Outputs and the state after the first `length` rows equal the token loop's (ours, PyTorch);
     the padding rows past `length` leave the state as it was after them."""
     q, k, v, g, beta, state = inputs(70, 3)
@@ -41,7 +52,7 @@ def test_chunked_prefill_equals_the_token_loop(length):
     expected_state = state.clone()
     expected = gdn.recurrent_gated_delta(q, k, v, g, beta, expected_state, n)
     got_state = state.clone()
-    got = gdn_prefill.chunked_gated_delta(q, k, v, g, beta, got_state, n, chunk=fla_reference)
+    got = gdn_prefill.chunked_gated_delta(q, k, v, g, beta, got_state, n, chunk=rule)
     live = 70 if n is None else 45
     torch.testing.assert_close(got[:live], expected[:live], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, expected_state, atol=1e-5, rtol=1e-5)
@@ -50,7 +61,7 @@ def test_chunked_prefill_equals_the_token_loop(length):
 
 def test_the_prefill_runs_only_where_it_is_asked_for_and_fits(monkeypatch):
     """Off unless DDTREE_FLA_PREFILL=1; then only on CUDA, for 2-byte values, long runs and a float32
-    state (this CPU box answers no for its tensors whatever it is asked)."""
+    state (a CPU tensor is refused whatever is asked)."""
     q, k, v, g, beta, state = inputs(70, 4)
     monkeypatch.setattr(gdn_prefill, "ENABLED", False)
     assert not gdn_prefill.usable(v.bfloat16(), state)
