@@ -1,0 +1,100 @@
+"""The few-row projection kernel (`ddtree.kernels.skinny_gemm`) against cuBLAS (`F.linear`) at the
+target shapes' projections, by row count, over a sweep of its tilings.
+
+    python -m benchmarks.skinny_gemm OUTPUT.json [--tokens 1,17,65] [--shapes qwen3.6-27b,qwen3-8b]
+
+Each (shape, rows, tiling) is timed as `benchmarks.gemm_tokens` times cuBLAS: 64 calls over 8
+weight copies (no L2 reuse) in one CUDA graph, the median of 5 replays; the weight's bytes over
+that time are the rate. Every tiling's output is checked against F.linear's (the largest error
+relative to the output's largest value) before it is timed. Prints, per shape and row count,
+cuBLAS, the default tiling and the best one; OUTPUT keeps every timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gemm_tokens import SHAPES as SHAPES_27B
+from ddtree.bench.machine import git_revision, machine_info
+from ddtree.kernels.skinny_gemm import DEFAULT, skinny_linear
+
+# (K, N) of Qwen3-8B's projections (hidden 4096, MLP 12288, 32 query and 8 KV heads of 128) and of
+# each target's lm_head (a verify's logits read it too).
+SHAPES_8B = {"gate_up": (4096, 24576), "down": (12288, 4096), "qkv": (4096, 6144), "o": (4096, 4096),
+             "lm_head": (4096, 151936)}
+SHAPES = {"qwen3.6-27b": {**SHAPES_27B, "lm_head": (5120, 248320)}, "qwen3-8b": SHAPES_8B}
+TILINGS = [DEFAULT, replace(DEFAULT, block_n=128), replace(DEFAULT, block_n=128, programs_per_sm=1, num_warps=8),
+           replace(DEFAULT, programs_per_sm=4), replace(DEFAULT, block_n=128, block_k=64, num_stages=5),
+           replace(DEFAULT, block_n=256, block_k=64, programs_per_sm=1, num_warps=8),
+           replace(DEFAULT, block_k=256, num_stages=3), replace(DEFAULT, block_n=32, block_k=256, programs_per_sm=4,
+                                                                num_stages=3)]
+
+
+def graph_us(fn, calls: int = 64) -> float:
+    """us per call of fn(i) (i: the call's index), replayed as one CUDA graph of `calls` calls."""
+    for i in range(8):  # compile and warm outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("output")
+    p.add_argument("--tokens", default="1,17,65")
+    p.add_argument("--shapes", default="qwen3.6-27b,qwen3-8b")
+    p.add_argument("--copies", type=int, default=8)
+    args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for model in args.shapes.split(","):
+        for name, (k, n) in SHAPES[model].items():
+            copies = max(2, min(args.copies, int(4e9 // (k * n * 2))))  # the lm_heads: fewer copies
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                reference = F.linear(x, weights[0]).float()
+                row = {"model": model, "shape": name, "K": k, "N": n, "tokens": m, "weight_bytes": k * n * 2,
+                       "cublas_us": graph_us(lambda i: F.linear(x, weights[i % copies])), "tilings": []}
+                for tiling in TILINGS:
+                    err = float((skinny_linear(x, weights[0], tiling).float() - reference).abs().max()
+                                / reference.abs().max())
+                    us = graph_us(lambda i: skinny_linear(x, weights[i % copies], tiling))
+                    row["tilings"].append({**asdict(tiling), "us": us, "relative_error": err})
+                best = min(row["tilings"], key=lambda t: t["us"])
+                gbps = lambda us: k * n * 2 / us / 1e3  # noqa: E731
+                print(f"{model:11s} {name:8s} K={k:5d} N={n:6d} M={m:3d}  cuBLAS {row['cublas_us']:7.1f} us "
+                      f"({gbps(row['cublas_us']):5.0f} GB/s)  default {row['tilings'][0]['us']:7.1f}  best "
+                      f"{best['us']:7.1f} ({gbps(best['us']):5.0f} GB/s, x{row['cublas_us'] / best['us']:.2f}) "
+                      f"n{best['block_n']} k{best['block_k']} p{best['programs_per_sm']} w{best['num_warps']} "
+                      f"s{best['num_stages']}  err {max(t['relative_error'] for t in row['tilings']):.1e}", flush=True)
+                rows.append(row)
+            del weights
+            torch.cuda.empty_cache()
+    out = {"benchmark": "skinny_gemm", "command": "python -m benchmarks.skinny_gemm " + " ".join(
+        [args.output, "--tokens", args.tokens, "--shapes", args.shapes]),
+        "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
