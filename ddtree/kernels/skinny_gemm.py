@@ -15,7 +15,8 @@ each writes its float32 partial sum and a second launch adds the slices in order
 no atomics) and rounds once.
 
 Not yet timed on a GPU (`benchmarks/skinny_gemm.py` compares it with cuBLAS, shape by shape), so
-nothing calls it yet. Tested in Triton's interpreter against a float32 product.
+only an opt-in calls it: a hybrid target's projections with DDTREE_SKINNY_GEMM=1
+(`models.projection`). Tested in Triton's interpreter against a float32 product.
 """
 from __future__ import annotations
 
