@@ -20,6 +20,7 @@ only an opt-in calls it: a hybrid target's projections with DDTREE_SKINNY_GEMM=1
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -73,12 +74,17 @@ def plan(m: int, n: int, k: int, sms: int, config: SkinnyConfig = DEFAULT) -> tu
     return block_m, triton.cdiv(k, per_split), per_split
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (`supported` inputs)."""
     config = config or DEFAULT
     m, k = x.shape
     n = w.shape[0]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    sms = _sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 4
     block_m, splits, per_split = plan(m, n, k, sms, config)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = splits > 1
@@ -111,7 +117,7 @@ if triton is not None:
             wk = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if INTERPRETED:  # Triton's interpreter: its bf16 holds raw bits, which tl.dot would multiply as ints
             xk, wk = xk.to(tl.float32), wk.to(tl.float32)
-        return acc + tl.dot(xk, tl.trans(wk))
+        return tl.dot(xk, tl.trans(wk), acc)
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n, k, per_split, sx_m, sw_n,
