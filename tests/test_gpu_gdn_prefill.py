@@ -64,7 +64,8 @@ def test_a_bf16_engine_prefills_through_it_and_decodes_as_with_the_token_loop(tm
     for on in (False, True):
         monkeypatch.setattr(gdn_prefill, "ENABLED", on)
         llm = LLM(tmp_path / "t", tmp_path / "d", device="cuda", dtype="bfloat16", use_graphs=False, max_model_len=1024)
+        calls.clear()
         outputs[on] = {budget: llm.generate([prompt], params, tree_budget=budget)[0].token_ids
                        for budget in ("ar", 16)}
-        assert len(calls) == (6 * 2 if on else 0)  # 6 recurrent layers of 8, once per prefill
+        assert calls == ([300] * 6 * 2 if on else [])  # 6 recurrent layers of 8, once per prefill
     assert outputs[True] == outputs[False]
