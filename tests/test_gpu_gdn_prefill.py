@@ -67,5 +67,6 @@ def test_a_bf16_engine_prefills_through_it_and_decodes_as_with_the_token_loop(tm
         calls.clear()
         outputs[on] = {budget: llm.generate([prompt], params, tree_budget=budget)[0].token_ids
                        for budget in ("ar", 16)}
-        assert calls == ([300] * 6 * 2 if on else [])  # 6 recurrent layers of 8, once per prefill
+        # 6 recurrent layers of 8, once per prefill (of the prompt, or all but its last token)
+        assert (len(calls) == 6 * 2 and min(calls) >= 299) if on else calls == []
     assert outputs[True] == outputs[False]
