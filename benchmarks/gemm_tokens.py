@@ -14,6 +14,7 @@ import json
 import torch
 
 from ddtree.bench.machine import git_revision, machine_info
+from ddtree.bench.timing import graph_call_us
 
 # (K, N) of the 27B target's projections: MLP gate+up and down, a Gated DeltaNet layer's input
 # (q, k, v, z, then b and a) and output, a gated attention layer's q (with its gate), k, v and o.
@@ -25,24 +26,7 @@ def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64) -> flo
     """us per call of x [m, k] @ W.T for W [n, k] in bf16."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    for w in weights:  # cuBLAS picks and warms its kernel outside the capture
-        torch.nn.functional.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            torch.nn.functional.linear(x, weights[i % copies])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_call_us(lambda i: torch.nn.functional.linear(x, weights[i % copies]), calls, warm=copies)
 
 
 def main() -> None:

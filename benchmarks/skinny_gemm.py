@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from benchmarks.gemm_tokens import SHAPES as SHAPES_27B
 from ddtree.bench.machine import git_revision, machine_info
+from ddtree.bench.timing import graph_call_us
 from ddtree.kernels.skinny_gemm import DEFAULT, skinny_linear
 
 # (K, N) of Qwen3-8B's projections (hidden 4096, MLP 12288, 32 query and 8 KV heads of 128) and of
@@ -32,28 +33,6 @@ TILINGS = [DEFAULT, replace(DEFAULT, block_n=128), replace(DEFAULT, block_n=128,
            replace(DEFAULT, block_n=256, block_k=64, programs_per_sm=1, num_warps=8),
            replace(DEFAULT, block_k=256, num_stages=3), replace(DEFAULT, block_n=32, block_k=256, programs_per_sm=4,
                                                                 num_stages=3)]
-
-
-def graph_us(fn, calls: int = 64) -> float:
-    """us per call of fn(i) (i: the call's index), replayed as one CUDA graph of `calls` calls."""
-    for i in range(8):  # compile and warm outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -73,11 +52,11 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 reference = F.linear(x, weights[0]).float()
                 row = {"model": model, "shape": name, "K": k, "N": n, "tokens": m, "weight_bytes": k * n * 2,
-                       "cublas_us": graph_us(lambda i: F.linear(x, weights[i % copies])), "tilings": []}
+                       "cublas_us": graph_call_us(lambda i: F.linear(x, weights[i % copies])), "tilings": []}
                 for tiling in TILINGS:
                     err = float((skinny_linear(x, weights[0], tiling).float() - reference).abs().max()
                                 / reference.abs().max())
-                    us = graph_us(lambda i: skinny_linear(x, weights[i % copies], tiling))
+                    us = graph_call_us(lambda i: skinny_linear(x, weights[i % copies], tiling))
                     row["tilings"].append({**asdict(tiling), "us": us, "relative_error": err})
                 best = min(row["tilings"], key=lambda t: t["us"])
                 gbps = lambda us: k * n * 2 / us / 1e3  # noqa: E731

@@ -28,3 +28,19 @@ def host_us_per_call(fn, calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def graph_call_us(fn, calls: int = 64, warm: int = 8, repeats: int = 5) -> float:
+    """Median microseconds of one fn(i) (i: the call's index, to cycle through inputs), from a CUDA
+    graph of `calls` calls replayed `repeats` times; `warm` calls first, outside the capture (so
+    that libraries pick and compile their kernels)."""
+    for i in range(warm):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    return median_replay_ms(graph, repeats) * 1000 / calls
