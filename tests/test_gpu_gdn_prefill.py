@@ -70,3 +70,24 @@ def test_a_bf16_engine_prefills_through_it_and_decodes_as_with_the_token_loop(tm
         # 6 recurrent layers of 8, once per prefill (of the prompt, or all but its last token)
         assert (len(calls) == 6 * 2 and min(calls) >= 299) if on else calls == []
     assert outputs[True] == outputs[False]
+
+
+def test_inside_the_padded_prefill_graphs_it_decodes_as_the_token_loop(tmp_path, monkeypatch):
+    """DDTREE_FLA_PREFILL=graphs: a 300-token prompt's padded prefill graph captures the chunked rule
+    (tuned in the graph's warm-up), and the greedy output equals the token loop's graph run."""
+    make_hybrid_target(tmp_path / "t", vocab=512, hidden=128, layers=8, heads=4, kv_heads=2, head_dim=64,
+                       linear_key_heads=2, linear_value_heads=4, linear_head_dim=32, max_positions=2048, peak=10.0)
+    make_drafter(tmp_path / "d", tmp_path / "t", block_size=16)
+    prompt = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs, calls = {}, []
+    chunked = gdn_prefill.chunked_gated_delta
+    monkeypatch.setattr(gdn_prefill, "chunked_gated_delta", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    for on in (False, True):
+        monkeypatch.setattr(gdn_prefill, "ENABLED", on)
+        monkeypatch.setattr(gdn_prefill, "IN_GRAPHS", on)
+        llm = LLM(tmp_path / "t", tmp_path / "d", device="cuda", dtype="bfloat16", use_graphs=True, max_model_len=1024)
+        calls.clear()
+        outputs[on] = [llm.generate([prompt], params, tree_budget=budget)[0].token_ids for budget in ("ar", 16)]
+        assert bool(calls) == on
+    assert outputs[True] == outputs[False]

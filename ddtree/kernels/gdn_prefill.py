@@ -10,10 +10,12 @@ heads (Hv a multiple of Hk) and an initial and final state in our layout ([Hv, D
 
 Where it runs (`usable`): `DDTREE_FLA_PREFILL=1`, fla importable, CUDA, 2-byte values (its
 products round through bf16/fp16 and TF32: float32 targets keep the token loop, exact in float32,
-which their parity tests rely on), a float32 contiguous state, at least
-`MIN_TOKENS` tokens, and not while a CUDA graph is captured (the padded prefill graphs keep the
-token loop). Off by default until its time to first token and its outputs have been measured on a
-GPU against the token loop (benchmarks/README.md).
+which their parity tests rely on), a float32 contiguous state, at least `MIN_TOKENS` tokens, and
+not while a CUDA graph is captured (the padded prefill graphs of prompts up to 1024 tokens keep
+the token loop) unless `DDTREE_FLA_PREFILL=graphs`: the library's calls make no host sync that we
+found, and a graph's warm-up run, before its capture, is where its kernels are tuned. Off by
+default until its time to first token and its outputs have been measured on a GPU against the
+token loop (benchmarks/README.md).
 
 Rows at or past `length` are a padded prefill's padding: their decay and write strength are set
 to 0 (decay exp(0) = 1), so the final state is the one after the first `length` rows, as the
@@ -26,7 +28,9 @@ from typing import Callable
 
 import torch
 
-ENABLED = os.environ.get("DDTREE_FLA_PREFILL", "0") == "1"
+_SWITCH = os.environ.get("DDTREE_FLA_PREFILL", "0")
+ENABLED = _SWITCH in ("1", "graphs")
+IN_GRAPHS = _SWITCH == "graphs"  # also inside CUDA graph captures (the padded prefills)
 MIN_TOKENS = 64  # shorter runs (an `ar` step, a commit, a short prompt) fill less than one chunk: the token loop
 VALUE_DTYPES = (torch.bfloat16, torch.float16)
 _RULE: list = []  # [flash-linear-attention's chunk_gated_delta_rule, or None], imported at the first ask
@@ -49,7 +53,7 @@ def usable(v: torch.Tensor, state: torch.Tensor) -> bool:
     [Hv, Dk, Dv]."""
     return (ENABLED and v.is_cuda and v.dtype in VALUE_DTYPES and v.shape[0] >= MIN_TOKENS
             and state.dtype == torch.float32 and state.is_contiguous()
-            and not torch.cuda.is_current_stream_capturing() and chunk_rule() is not None)
+            and (IN_GRAPHS or not torch.cuda.is_current_stream_capturing()) and chunk_rule() is not None)
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
