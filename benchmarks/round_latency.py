@@ -37,6 +37,8 @@ from ddtree.models.target import TargetModel
 from ddtree.models.layers import RotaryTable
 from ddtree.tree_shape import AR
 
+WARMUP_ROUNDS = 4  # rounds before the timed ones: the allocator and the clocks settle
+
 
 def random_init(module: torch.nn.Module, device) -> torch.nn.Module:
     module = module.to_empty(device=device)
@@ -189,12 +191,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budgets", default="ar,chain,16,32,64,128,256,512,1024")
     ap.add_argument("--prompt-len", default="512", help="prompt lengths, comma-separated (one model build for all)")
-    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=24, help=f"rounds timed per row; the first {WARMUP_ROUNDS} are warm-up")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b"], default="qwen3-8b")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per forward of a long prefill")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.rounds <= WARMUP_ROUNDS:
+        ap.error(f"--rounds must be above {WARMUP_ROUNDS}: the first {WARMUP_ROUNDS} rounds are warm-up, not timed")
     device = torch.device("cuda")
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
@@ -263,7 +267,7 @@ def main() -> None:
         draft_kv, draft_attn = drafter_attention(context + 16)
         draft_floor = forward_floor(dparams, 16, draft_kv, ceilings, extra_flops=draft_attn) if budget.drafts else 0.0
         floor_ms = (target_floor + draft_floor) * 1000
-        median = statistics.median(times[4:])
+        median = statistics.median(times[WARMUP_ROUNDS:])
         rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,
                      "round_ms_all": times, "floor_ms": floor_ms, "ratio_to_floor": median / floor_ms,
                      "target_floor_ms": target_floor * 1000, "draft_floor_ms": draft_floor * 1000, **stages})

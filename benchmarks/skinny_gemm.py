@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from benchmarks.gemm_tokens import SHAPES as SHAPES_27B
 from ddtree.bench.machine import git_revision, machine_info
 from ddtree.bench.timing import graph_call_us
+from triton.runtime.errors import OutOfResources
+
 from ddtree.kernels.skinny_gemm import DEFAULT, skinny_linear
 
 # (K, N) of Qwen3-8B's projections (hidden 4096, MLP 12288, 32 query and 8 KV heads of 128) and of
@@ -57,20 +59,31 @@ def main() -> None:
                 row = {"model": model, "shape": name, "K": k, "N": n, "tokens": m, "weight_bytes": k * n * 2,
                        "cublas_us": graph_call_us(lambda i: F.linear(x, weights[i % copies])), "tilings": []}
                 for tiling in TILINGS:
-                    err = float((skinny_linear(x, weights[0], tiling).float() - reference).abs().max()
-                                / reference.abs().max())
+                    try:
+                        err = float((skinny_linear(x, weights[0], tiling).float() - reference).abs().max()
+                                    / reference.abs().max())
+                    except OutOfResources as exc:  # its tiles of x and w do not fit in shared memory at m rows
+                        row["tilings"].append({**asdict(tiling), "us": None, "skipped": str(exc)})
+                        continue
                     us = graph_call_us(lambda i: skinny_linear(x, weights[i % copies], tiling))
                     row["tilings"].append({**asdict(tiling), "us": us, "relative_error": err})
-                best = min(row["tilings"], key=lambda t: t["us"])
+                timed = [t for t in row["tilings"] if t["us"] is not None]
+                best = min(timed, key=lambda t: t["us"])
+                default_us = row["tilings"][0]["us"]
                 gbps = lambda us: k * n * 2 / us / 1e3  # noqa: E731
                 print(f"{model:11s} {name:8s} K={k:5d} N={n:6d} M={m:3d}  cuBLAS {row['cublas_us']:7.1f} us "
-                      f"({gbps(row['cublas_us']):5.0f} GB/s)  default {row['tilings'][0]['us']:7.1f}  best "
+                      f"({gbps(row['cublas_us']):5.0f} GB/s)  default {default_us or float('nan'):7.1f}  best "
                       f"{best['us']:7.1f} ({gbps(best['us']):5.0f} GB/s, x{row['cublas_us'] / best['us']:.2f}) "
                       f"n{best['block_n']} k{best['block_k']} p{best['programs_per_sm']} w{best['num_warps']} "
-                      f"s{best['num_stages']}  err {max(t['relative_error'] for t in row['tilings']):.1e}", flush=True)
+                      f"s{best['num_stages']}  err {max(t['relative_error'] for t in timed):.1e}  "
+                      f"({len(row['tilings']) - len(timed)} tilings too big)", flush=True)
                 rows.append(row)
+                write(args, rows)  # as it goes: a run cut short keeps what it timed
             del weights
             torch.cuda.empty_cache()
+
+
+def write(args, rows: list[dict]) -> None:
     out = {"benchmark": "skinny_gemm", "command": "python -m benchmarks.skinny_gemm " + " ".join(
         [args.output, "--tokens", args.tokens, "--shapes", args.shapes]),
         "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}

@@ -32,7 +32,6 @@ from ddtree.kv_cache import KVCache
 from ddtree.models import gated_deltanet as gdn
 from ddtree.models.configs import TargetConfig
 from ddtree.models.layers import AttentionMeta, RotaryTable, SwiGLU, attend, logits_float32
-from ddtree.models.projection import linear
 from ddtree.models.fused import RECOMPILE_LIMIT, rotate
 from ddtree.recurrent_state import HybridCache, RecurrentScratch, RecurrentState
 
@@ -228,12 +227,12 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
         n = x.shape[0]
-        qg, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
+        qg, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
         q, k, gate = ops.attention_inputs(qg, k, self.q_norm, self.k_norm, cos, sin, self.n_heads, self.n_kv,
                                           self.head_dim, self.eps)
         keys, values = cache.write(self.kv_index, meta.write_slots, k, v.view(n, self.n_kv, self.head_dim), meta.kv_len)
         out = ops.gated_output(attend(q, keys, values, meta, self.scale), gate)
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def conv_ancestors(parents: torch.Tensor, depths: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -300,13 +299,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]. A packed batch (`meta.rows`, their tokens one row after
         another) runs each row from its own state (`RowSpan.recurrent`) with its own meta."""
-        mixed, z, b, a = linear(x, self.in_proj.weight).split(self.split, dim=-1)
+        mixed, z, b, a = F.linear(x, self.in_proj.weight).split(self.split, dim=-1)
         if meta.rows is None:
             o = self._sequence(mixed, a, b, meta, cache, ops)
         else:
             o = torch.cat([self._sequence(mixed[row.tokens], a[row.tokens], b[row.tokens], row.meta, row.recurrent, ops)
                            for row in meta.rows])
-        return linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
+        return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
 
     def _sequence(self, mixed, a, b, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
         """One sequence's tokens (a tree, or a run of tokens) from its state -> o [T, Hv, Dv] float32."""
@@ -373,8 +372,8 @@ class HybridLayer(nn.Module):
             mixed = self.self_attn(x, cos, sin, meta, cache.kv, ops)
         h, x = ops.add_and_norm(h, mixed, self.post_attention_layernorm, self.eps)
         mlp = self.mlp
-        return h, linear(ops.swiglu(linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)),
-                         mlp.down_proj.weight, mlp.down_proj.bias)
+        return h, F.linear(ops.swiglu(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)),
+                           mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 class HybridTarget(nn.Module):
