@@ -86,6 +86,9 @@ def test_acceptance_from_metrics_equals_the_responses(server, monkeypatch):
     assert from_metrics[1]["mean_acceptance_length"] == pytest.approx(from_responses[1]["mean_acceptance_length"])
     assert from_metrics[1]["decode_rounds"] == pytest.approx(from_responses[1]["decode_rounds"])
     assert from_metrics[0]["acceptance_source"] == "definition"  # ar drafts nothing
+    for row in from_responses + from_metrics:  # the server's own view lies inside the client's
+        assert 0 < row["server_mean_ttft_ms"] <= row["mean_ttft_ms"]
+        assert row["server_mean_ttft_ms"] < row["server_mean_e2el_ms"] <= row["mean_e2el_ms"]
     counters = parse_counters(httpx.get(f"{server.url}/metrics", headers=server.headers).text)
     assert counters is not None and counters.drafts > 0
 
@@ -108,4 +111,24 @@ def test_parse_counters_sums_label_sets():
             'vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 7.0\n')
     counters = parse_counters(text)
     assert (counters.drafts, counters.accepted_tokens) == (5.0, 7.0)
+    assert counters.server_latency_ms() == {"server_mean_ttft_ms": None, "server_mean_e2el_ms": None}
     assert parse_counters("# nothing here\nother_metric 1.0\n") is None
+
+
+def test_parse_counters_reads_the_latency_histograms():
+    text = ('# TYPE vllm:time_to_first_token_seconds histogram\n'
+            'vllm:time_to_first_token_seconds_bucket{le="0.01",model_name="a"} 2.0\n'
+            'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="a"} 3.0\n'
+            'vllm:time_to_first_token_seconds_sum{model_name="a"} 0.03\n'
+            'vllm:time_to_first_token_seconds_count{model_name="a"} 3.0\n'
+            '# TYPE vllm:e2e_request_latency_seconds histogram\n'
+            'vllm:e2e_request_latency_seconds_sum{model_name="a"} 0.6\n'
+            'vllm:e2e_request_latency_seconds_count{model_name="a"} 3.0\n')
+    before = parse_counters(text)
+    after = parse_counters(text.replace("_sum{model_name=\"a\"} 0.03", "_sum{model_name=\"a\"} 0.07")
+                           .replace("_count{model_name=\"a\"} 3.0", "_count{model_name=\"a\"} 5.0")
+                           .replace("seconds_sum{model_name=\"a\"} 0.6", "seconds_sum{model_name=\"a\"} 1.0"))
+    assert (before.drafts, before.ttft_count, before.e2el_count) == (0.0, 3.0, 3.0)
+    latency = (after - before).server_latency_ms()
+    assert latency["server_mean_ttft_ms"] == pytest.approx(20.0)  # 0.04 s over 2 requests
+    assert latency["server_mean_e2el_ms"] == pytest.approx(200.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ddtree.bench.report import (
-    AcceptanceCounts,
+    ServerCounters,
     RequestOutput,
     compare_with_ar,
     finish,
@@ -84,11 +84,11 @@ def test_summarize_row():
 
 def test_acceptance_from_metrics_then_definition():
     outputs = [_req(0, 9, 0.1, [], 1.0), _req(1, 5, 0.1, [], 1.0)]
-    row = summarize(outputs, 2.0, TreeShape.best(128), 1, AcceptanceCounts(drafts=4, accepted_tokens=10))
+    row = summarize(outputs, 2.0, TreeShape.best(128), 1, ServerCounters(drafts=4, accepted_tokens=10))
     assert row["mean_acceptance_length"] == pytest.approx(1 + 10 / 4)
     assert row["decode_rounds"] == pytest.approx(2.0)
     assert row["acceptance_source"] == "metrics"
-    ar = summarize(outputs, 2.0, AR, 1, AcceptanceCounts(drafts=0, accepted_tokens=0))
+    ar = summarize(outputs, 2.0, AR, 1, ServerCounters(drafts=0, accepted_tokens=0))
     assert (ar["mean_acceptance_length"], ar["decode_rounds"], ar["acceptance_source"]) == (1.0, 6.0, "definition")
     unknown = summarize(outputs, 2.0, CHAIN, 1, None)
     assert unknown["mean_acceptance_length"] is None and unknown["acceptance_source"] is None

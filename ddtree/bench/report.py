@@ -10,7 +10,7 @@ budgets by the median of that.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Iterable
 
 from ddtree.tree_shape import AR, CHAIN, TreeShape
@@ -42,11 +42,27 @@ class RequestOutput:
 
 
 @dataclass
-class AcceptanceCounts:
-    """Deltas of vLLM's spec-decode counters over one budget's run (from /metrics)."""
+class ServerCounters:
+    """Deltas of a server's /metrics over one budget's run: vLLM's spec-decode counters, and the
+    sums and counts of its time-to-first-token and end-to-end latency histograms: the server's own
+    view of a request, from its admission (ddtree: the request read, checked and tokenized) to its
+    first and its last token leaving the engine, beside the client's view, which adds the HTTP
+    path both ways."""
 
-    drafts: float
-    accepted_tokens: float
+    drafts: float = 0.0
+    accepted_tokens: float = 0.0
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
+    e2el_sum_s: float = 0.0
+    e2el_count: float = 0.0
+
+    def __sub__(self, before: "ServerCounters") -> "ServerCounters":
+        return ServerCounters(*(a - b for a, b in zip(astuple(self), astuple(before))))
+
+    def server_latency_ms(self) -> dict:
+        """server_mean_ttft_ms and server_mean_e2el_ms (None where the server keeps no histogram)."""
+        return {"server_mean_ttft_ms": self.ttft_sum_s / self.ttft_count * 1e3 if self.ttft_count else None,
+                "server_mean_e2el_ms": self.e2el_sum_s / self.e2el_count * 1e3 if self.e2el_count else None}
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -98,7 +114,7 @@ def summarize(
     duration_s: float,
     tree_budget: TreeShape,
     concurrency: int,
-    counters: AcceptanceCounts | None = None,
+    counters: ServerCounters | None = None,
 ) -> dict:
     """One result row for a budget at a concurrency. Acceptance comes from the requests' own
     statistics when every request has them, else from the /metrics counter deltas, else (for `ar`
@@ -129,6 +145,8 @@ def summarize(
     row.update(latency_stats("itl", [gap for o in done for gap in o.itl_s]))
     row.update(latency_stats("e2el", [o.e2el_s for o in done]))
     row.update(acceptance(done, tree_budget, counters))
+    if counters is not None:
+        row.update(counters.server_latency_ms())
     row["budget_rounds"] = budget_rounds(done)
     return row
 
@@ -143,7 +161,7 @@ def budget_rounds(done: list[RequestOutput]) -> dict[str, int] | None:
     return dict(sorted(total.items(), key=lambda item: -item[1])) if total else None
 
 
-def acceptance(done: list[RequestOutput], tree_budget: TreeShape, counters: AcceptanceCounts | None) -> dict:
+def acceptance(done: list[RequestOutput], tree_budget: TreeShape, counters: ServerCounters | None) -> dict:
     """mean_acceptance_length, decode_rounds (mean per request) and where they came from."""
     empty = {"mean_acceptance_length": None, "decode_rounds": None, "acceptance_source": None}
     if not done:

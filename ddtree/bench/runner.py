@@ -16,12 +16,14 @@ import aiohttp
 import httpx
 
 from ddtree.bench.datasets import BenchPrompt
-from ddtree.bench.report import AcceptanceCounts, RequestOutput
+from ddtree.bench.report import RequestOutput, ServerCounters
 from ddtree.config import DDTreeError, SamplingParams
 from ddtree.tree_shape import TreeShape, shape_json
 
 DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
 ACCEPTED_COUNTER = "vllm:spec_decode_num_accepted_tokens"
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+E2EL_HISTOGRAM = "vllm:e2e_request_latency_seconds"
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ class OfflineBackend:
                 self.llm.warmup(budget)
         await asyncio.to_thread(capture)
 
-    async def counters(self) -> AcceptanceCounts | None:
+    async def counters(self) -> ServerCounters | None:
         return None  # every request reports its own rounds
 
     async def aclose(self) -> None:
@@ -190,22 +192,25 @@ def _error_message(body: bytes) -> str:
     return body[:300].decode("utf-8", "replace")
 
 
-def parse_counters(text: str) -> AcceptanceCounts | None:
-    """Sum vLLM's spec-decode draft and accepted-token counters over all label sets; None without them."""
+def parse_counters(text: str) -> ServerCounters | None:
+    """vLLM's spec-decode draft and accepted-token counters and its time-to-first-token and end-to-end
+    histograms' sums and counts, each summed over its label sets; None without any of them."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {DRAFTS_COUNTER: 0.0, ACCEPTED_COUNTER: 0.0}
-    seen = False
+    names = {DRAFTS_COUNTER: "drafts", DRAFTS_COUNTER + "_total": "drafts",
+             ACCEPTED_COUNTER: "accepted_tokens", ACCEPTED_COUNTER + "_total": "accepted_tokens",
+             TTFT_HISTOGRAM + "_sum": "ttft_sum_s", TTFT_HISTOGRAM + "_count": "ttft_count",
+             E2EL_HISTOGRAM + "_sum": "e2el_sum_s", E2EL_HISTOGRAM + "_count": "e2el_count"}
+    totals: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                for name in totals:
-                    if sample.name in (name, name + "_total"):
-                        totals[name] += sample.value
-                        seen = True
+                field = names.get(sample.name)
+                if field is not None:
+                    totals[field] = totals.get(field, 0.0) + sample.value
     except ValueError:
         return None
-    return AcceptanceCounts(totals[DRAFTS_COUNTER], totals[ACCEPTED_COUNTER]) if seen else None
+    return ServerCounters(**totals) if totals else None
 
 
 class LiveBackend:
@@ -353,7 +358,7 @@ class LiveBackend:
         elif isinstance(stats.get("mean_acceptance_length"), (int, float)):
             out.accepted_tokens = round(stats["mean_acceptance_length"] * rounds)
 
-    async def counters(self) -> AcceptanceCounts | None:
+    async def counters(self) -> ServerCounters | None:
         try:
             resp = await self.client.get("/metrics")
         except httpx.HTTPError:

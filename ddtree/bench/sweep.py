@@ -20,7 +20,7 @@ from typing import Callable
 
 from ddtree.bench.datasets import BenchPrompt
 from ddtree.bench.progress import SweepProgress
-from ddtree.bench.report import AcceptanceCounts, RequestOutput, mean, summarize
+from ddtree.bench.report import RequestOutput, ServerCounters, mean, summarize
 from ddtree.bench.runner import SweepSettings
 from ddtree.tree_shape import TreeShape
 
@@ -37,10 +37,10 @@ class Sweep:
     interrupted: bool = False
 
 
-def _delta(before: AcceptanceCounts | None, after: AcceptanceCounts | None) -> AcceptanceCounts | None:
+def _delta(before: ServerCounters | None, after: ServerCounters | None) -> ServerCounters | None:
     if before is None or after is None:
         return None
-    return AcceptanceCounts(after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens)
+    return after - before
 
 
 async def warm_up(backend, prompts: list[BenchPrompt], settings: SweepSettings, sweep: Sweep,
