@@ -1,10 +1,13 @@
 """cuBLAS bf16 projection time by token count at Qwen3.6-27B's shapes: what a verify of N tokens
 pays in its matmuls over one of a single token (they read the same weights).
 
-    python -m benchmarks.gemm_tokens OUTPUT.json [--tokens 1,16,17,48,64,65,72,80,96,128]
+    python -m benchmarks.gemm_tokens OUTPUT.json [--tokens 1,16,17,48,64,65,72,80,96,128] [--tunableop]
 
 Each shape is `F.linear(x [M, K], W [N, K])`, 64 calls over 8 weight copies (no L2 reuse) in one
 CUDA graph, timed as the median of 5 replays; the weights' bytes over that time are the rate.
+With --tunableop each shape is timed again with PyTorch's TunableOp on (`torch.cuda.tunable`):
+its first calls, before the capture, time every cuBLAS / cuBLASLt algorithm for that shape and
+keep the fastest, which the capture then records ("tuned_us"; its choices under "tunableop_results").
 """
 from __future__ import annotations
 
@@ -22,17 +25,24 @@ SHAPES = {"gate_up": (5120, 34816), "down": (17408, 5120), "gdn_in": (5120, 1638
           "attn_qkv": (5120, 12288 + 2048), "attn_o": (6144, 5120)}
 
 
-def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64) -> float:
-    """us per call of x [m, k] @ W.T for W [n, k] in bf16."""
+def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64, tuned: bool = False) -> float:
+    """us per call of x [m, k] @ W.T for W [n, k] in bf16 (tuned: with TunableOp on, tuning in the
+    warm-up calls)."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    return graph_call_us(lambda i: torch.nn.functional.linear(x, weights[i % copies]), calls, warm=copies)
+    torch.cuda.tunable.enable(tuned)
+    torch.cuda.tunable.tuning_enable(tuned)
+    try:
+        return graph_call_us(lambda i: torch.nn.functional.linear(x, weights[i % copies]), calls, warm=copies)
+    finally:
+        torch.cuda.tunable.enable(False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("output")
     p.add_argument("--tokens", default="1,16,17,48,64,65,72,80,96,128")
+    p.add_argument("--tunableop", action="store_true", help="also time each shape with TunableOp's choice")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
@@ -40,10 +50,18 @@ def main() -> None:
         for m in tokens:
             us = time_linear(k, n, m)
             rows.append({"shape": name, "K": k, "N": n, "tokens": m, "us": us, "weight_GBps": k * n * 2 / us / 1e3})
-            print(f"{name:9s} K={k:5d} N={n:5d} M={m:4d} {us:8.1f} us {rows[-1]['weight_GBps']:7.0f} GB/s", flush=True)
+            tuned = ""
+            if args.tunableop:
+                rows[-1]["tuned_us"] = time_linear(k, n, m, tuned=True)
+                tuned = f"  tuned {rows[-1]['tuned_us']:8.1f} us (x{us / rows[-1]['tuned_us']:.2f})"
+            print(f"{name:9s} K={k:5d} N={n:5d} M={m:4d} {us:8.1f} us {rows[-1]['weight_GBps']:7.0f} GB/s{tuned}",
+                  flush=True)
         torch.cuda.empty_cache()
-    out = {"benchmark": "gemm_tokens", "command": f"python -m benchmarks.gemm_tokens {args.output} --tokens {args.tokens}",
+    out = {"benchmark": "gemm_tokens", "command": f"python -m benchmarks.gemm_tokens {args.output} --tokens {args.tokens}"
+           + (" --tunableop" if args.tunableop else ""),
            "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}
+    if args.tunableop:
+        out["tunableop_results"] = [list(map(str, r)) for r in torch.cuda.tunable.get_results()]
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
 
