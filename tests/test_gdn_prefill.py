@@ -5,6 +5,8 @@ machine with the `fla` extra), the call checked against the library's own PyTorc
 library's GPU kernel is `test_gpu_gdn_prefill.py`'s."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,8 +61,29 @@ def test_chunked_prefill_equals_the_token_loop(rule, length):
     assert got.dtype == torch.float32 and got.shape == (70, 4, 32)
 
 
+@pytest.mark.parametrize("value,enabled,in_graphs", [(None, True, True), ("graphs", True, True), ("1", True, False),
+                                                     ("0", False, False), ("yes", None, None)])
+def test_the_switch(monkeypatch, value, enabled, in_graphs):
+    """DDTREE_FLA_PREFILL: on everywhere by default (where fla-core is installed), 1 outside graph
+    captures only, 0 off; anything else is refused when the module loads."""
+    if value is None:
+        monkeypatch.delenv("DDTREE_FLA_PREFILL", raising=False)
+    else:
+        monkeypatch.setenv("DDTREE_FLA_PREFILL", value)
+    try:
+        if enabled is None:
+            with pytest.raises(ValueError, match="DDTREE_FLA_PREFILL must be 0, 1 or graphs"):
+                importlib.reload(gdn_prefill)
+        else:
+            importlib.reload(gdn_prefill)
+            assert (gdn_prefill.ENABLED, gdn_prefill.IN_GRAPHS) == (enabled, in_graphs)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(gdn_prefill)
+
+
 def test_the_prefill_runs_only_where_it_is_asked_for_and_fits(monkeypatch):
-    """Off unless DDTREE_FLA_PREFILL=1; then only on CUDA, for 2-byte values, long runs and a float32
+    """Off with DDTREE_FLA_PREFILL=0; on, only on CUDA, for 2-byte values, long runs and a float32
     state (a CPU tensor is refused whatever is asked)."""
     q, k, v, g, beta, state = inputs(70, 4)
     monkeypatch.setattr(gdn_prefill, "ENABLED", False)

@@ -8,14 +8,17 @@ apart. flash-linear-attention's `chunk_gated_delta_rule` runs the same recurrenc
 tokens on tensor cores (the intra-chunk WY form, one state pass per chunk), with grouped value
 heads (Hv a multiple of Hk) and an initial and final state in our layout ([Hv, Dk, Dv], float32).
 
-Where it runs (`usable`): `DDTREE_FLA_PREFILL=1`, fla importable, CUDA, 2-byte values (its
+Where it runs (`usable`): fla importable (`pip install "ddtree[fla]"`), CUDA, 2-byte values (its
 products round through bf16/fp16 and TF32: float32 targets keep the token loop, exact in float32,
 which their parity tests rely on), a float32 contiguous state, at least `MIN_TOKENS` tokens, and
-not while a CUDA graph is captured (the padded prefill graphs of prompts up to 1024 tokens keep
-the token loop) unless `DDTREE_FLA_PREFILL=graphs`: the library's calls make no host sync that we
-found, and a graph's warm-up run, before its capture, is where its kernels are tuned. Off by
-default until its time to first token and its outputs have been measured on a GPU against the
-token loop (benchmarks/README.md).
+`DDTREE_FLA_PREFILL` not 0. By default (`graphs`) also inside CUDA graph captures, which serve the
+padded prefills of prompts up to 1024 tokens: the library's calls make no host sync that we found,
+and a graph's warm-up run, before its capture, is where its kernels are tuned. `DDTREE_FLA_PREFILL=1`
+keeps the token loop inside captures; `0` everywhere.
+
+Measured on the H200 at Qwen3.6-27B shape (benchmarks/README.md): time to first token 59.1 ->
+48.3 ms for 512 tokens, and 1.77x -> 1.52x its floor for 8192 (963 ms with the token loop, 784
+with this); the GPU tests hold it to the token loop's results within bf16 rounding.
 
 Rows at or past `length` are a padded prefill's padding: their decay and write strength are set
 to 0 (decay exp(0) = 1), so the final state is the one after the first `length` rows, as the
@@ -28,8 +31,10 @@ from typing import Callable
 
 import torch
 
-_SWITCH = os.environ.get("DDTREE_FLA_PREFILL", "0")
-ENABLED = _SWITCH in ("1", "graphs")
+_SWITCH = os.environ.get("DDTREE_FLA_PREFILL", "graphs")
+if _SWITCH not in ("0", "1", "graphs"):
+    raise ValueError(f"DDTREE_FLA_PREFILL must be 0, 1 or graphs, got {_SWITCH!r}")
+ENABLED = _SWITCH in ("1", "graphs")  # where fla-core is installed
 IN_GRAPHS = _SWITCH == "graphs"  # also inside CUDA graph captures (the padded prefills)
 MIN_TOKENS = 64  # shorter runs (an `ar` step, a commit, a short prompt) fill less than one chunk: the token loop
 VALUE_DTYPES = (torch.bfloat16, torch.float16)

@@ -276,7 +276,7 @@ class GatedDeltaNet(nn.Module):
         """Run a sequence (a prefill, an `ar` step, a commit) from (state, window) [K - 1, C], both
         updated in place to after its first `length` rows -> o [T, Hv, Dv] float32. The recurrence:
         the token-loop kernel where the kernels run (a long bf16 run through flash-linear-attention
-        with DDTREE_FLA_PREFILL=1, `kernels.gdn_prefill`), else `LOOP_MAX_TOKENS` picks the form."""
+        where fla-core is installed, `kernels.gdn_prefill`), else `LOOP_MAX_TOKENS` picks the form."""
         t, k1 = mixed.shape[0], self.kernel - 1
         if fresh:
             state.zero_()
