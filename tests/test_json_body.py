@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddtree.server import json_body
 from ddtree.server.json_body import JsonBodyError, JsonLimits, parse, parse_json_body
 
 UNLIMITED = JsonLimits(max_depth=10_000, max_keys=10**9, max_values=10**9)
@@ -87,6 +88,53 @@ def test_limits_and_lone_surrogates(text, code, param):
         parse(text, JsonLimits(max_depth=32, max_keys=64, max_values=4096))
     assert (info.value.code, info.value.param) == (code, param)
     assert len(str(info.value)) < 300
+
+
+def step_by_step(text: str, limits: JsonLimits):
+    """parse_steps alone (no json.loads first): the value, or the refusal's (code, param, message)."""
+    steps = json_body.parse_steps(text, limits)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return "ok", done.value
+    except JsonBodyError as exc:
+        return "error", (exc.code, exc.param, str(exc))
+
+
+def with_small_path(text: str, limits: JsonLimits):
+    try:
+        return "ok", parse(text, limits)
+    except JsonBodyError as exc:
+        return "error", (exc.code, exc.param, str(exc))
+
+
+surrogate_text = st.text(max_size=4) | st.sampled_from(["\ud800", "a\udfffb", "\ud83d\ude00"])
+
+
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(value=st.recursive(
+    st.none() | st.integers(-5, 5) | st.floats(allow_nan=True) | surrogate_text,
+    lambda children: st.lists(children, max_size=7) | st.dictionaries(surrogate_text, children, max_size=7),
+    max_leaves=60),
+    depth=st.integers(1, 5), keys=st.integers(0, 6), values=st.integers(1, 40))
+def test_a_small_body_is_read_as_step_by_step(value, depth, keys, values):
+    """json.loads and the walk over its value (`_small`) give what the step-by-step parse gives,
+    refusals included (the same code, parameter and message), at limits small enough to be hit."""
+    text = json.dumps(value).replace("\\\\u", "\\u")  # let the sampled escapes through as escapes
+    limits = JsonLimits(max_depth=depth, max_keys=keys, max_values=values)
+    expected, got = step_by_step(text, limits), with_small_path(text, limits)
+    assert expected[0] == got[0], (text, expected, got)
+    assert same(expected[1], got[1]) if expected[0] == "ok" else expected[1] == got[1], (text, expected, got)
+
+
+def test_a_large_body_skips_the_small_path(monkeypatch):
+    calls = []
+    loads = json.loads
+    monkeypatch.setattr(json_body.json, "loads", lambda text: calls.append(len(text)) or loads(text))
+    parse(json.dumps({"prompt": "x" * json_body.SMALL_BODY_CHARS}), UNLIMITED)
+    parse(json.dumps({"prompt": "x"}), UNLIMITED)
+    assert calls == [len(json.dumps({"prompt": "x"}))]
 
 
 def test_a_surrogate_pair_is_one_character():
