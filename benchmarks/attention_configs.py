@@ -12,7 +12,7 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
 bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default)
-tries 72 tilings; `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
+tries 72 tilings (at head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
 at 1, 2 and 4 programs per SM, loading 8192 or 32768 partial-sum elements at once.
 """
@@ -84,9 +84,13 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    HQ, HKV, D = (int(x) for x in args.heads.split(","))
     if args.sweep == "tilings":
+        # At head_dim 256 a 64-key K and V pipeline of 2 stages holds 128 KiB of shared memory, one
+        # program per SM; 32-key tiles let two share it (128-key ones do not fit at all).
+        key_blocks = (32, 64) if D > 128 else (64, 128)
         configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
-                   for m, bn, p, w, st in itertools.product((0, 64, 128), (64, 128), (1, 2, 4), (4, 8), (2, 3))]
+                   for m, bn, p, w, st in itertools.product((0, 64, 128), key_blocks, (1, 2, 4), (4, 8), (2, 3))]
     elif args.sweep == "combine":
         configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
                    for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
@@ -95,7 +99,6 @@ def main() -> None:
     else:
         configs = []
     rows = []
-    HQ, HKV, D = (int(x) for x in args.heads.split(","))
     ceilings = measure_ceilings(torch.device("cuda"))
     for CONTEXT, n in itertools.product(map(int, args.context.split(",")), map(int, args.tokens.split(","))):
         q, k, v, block, prefix = case(n)
