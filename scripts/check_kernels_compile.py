@@ -7,13 +7,19 @@ before a GPU does:
     python scripts/check_kernels_compile.py [--arch 90] [pytest arguments]
 
 1. runs the tests (default: the kernel tests, when no test path is given) in the interpreter,
-   recording each launch: the kernel, its arguments' types, its constexprs and num_warps /
-   num_stages;
+   recording each launch: the kernel, its arguments' types, which of them a GPU launch would
+   specialise as 16-byte aligned (a tensor whose address, an integer whose value, is a multiple of
+   16, as Triton's launcher does), its constexprs and num_warps / num_stages;
 2. compiles each distinct launch, in a process without the interpreter, with `triton.compile`
-   for the target (sm_90, the H100's and H200's, by default), down to a cubin.
+   for the target (sm_90, the H100's and H200's, by default), down to a cubin, with those
+   alignments: they are what lets the compiler pipeline a loop's loads through shared memory, so
+   the shared memory it reports is what a GPU launch would ask for. A launch asking for more than
+   the target's per-block limit (227 KiB on sm_90) is listed as OVER: a GPU would refuse it. Not a
+   failure here, since the interpreter's tests may force a tiling in float32 that GPU launches only
+   take with 2-byte inputs.
 
-Compiling is not running: shared memory and register limits are checked at launch, and the
-numbers by the tests themselves. Exit status 1 if a launch does not compile.
+Compiling is not running: register spills and the numbers are the GPU tests' to find. Exit status
+1 if a launch does not compile.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ KERNEL_TESTS = ["tests/test_tree_attention.py", "tests/test_batched_attention.py
 POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "float64": "*fp64", "int64": "*i64",
                  "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
 OPTIONS = ("num_warps", "num_stages")
+# Shared memory one block may use, by compute capability (CUDA's opt-in maximum per block).
+SHARED_LIMITS = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 # -- 1. recording, as a pytest plugin (`-p check_kernels_compile` with this folder on the path) --------
@@ -57,14 +65,26 @@ def _record(launches: list, fn, args: tuple, kwargs: dict) -> None:
 
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
-    signature, constexprs = {}, {}
+    signature, constexprs, aligned = {}, {}, []
     for name, param in params.items():
         if "constexpr" in str(param.annotation):
             constexprs[name] = bound.get(name, param.default)
         else:
             signature[name] = _arg_type(bound[name])
+            if _aligned(bound[name]):
+                aligned.append(name)
     launches.append({"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
-                     "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}})
+                     "aligned": aligned, "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}})
+
+
+def _aligned(value) -> bool:
+    """Whether a GPU launch would specialise this argument as divisible by 16 (Triton's launcher:
+    a tensor's address, an integer's value)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 if os.environ.get(RECORD_ENV):
@@ -93,22 +113,32 @@ def compile_launches(path: Path, arch: int) -> int:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    failed = 0
+    limit = SHARED_LIMITS.get(arch)
+    failed = over = 0
     for launch in json.loads(path.read_text()):
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         constexprs = launch["constexprs"]
         if "LOOP_WHILE" in constexprs:  # the interpreter's loops; a GPU launch takes `range` loops
             constexprs = constexprs | {"LOOP_WHILE": False}
         signature = launch["signature"] | {name: "constexpr" for name in constexprs}
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in launch["aligned"]}
         name = f"{launch['module']}.{launch['kernel']} {constexprs} {launch['options']}"
         try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                           options=launch["options"])
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                      target=target, options=launch["options"])
         except Exception as error:  # report every launch that fails, not only the first
             failed += 1
             print(f"FAILED {name}\n  {type(error).__name__}: {str(error).strip()[-800:]}")
+            continue
+        shared = compiled.metadata.shared
+        if limit is not None and shared > limit:
+            over += 1
+            print(f"OVER   {name}\n  shared memory: {shared} bytes, over sm_{arch}'s {limit} per block "
+                  f"(inputs {sorted(set(t for t in launch['signature'].values() if t.startswith('*')))})")
         else:
-            print(f"ok     {name}")
+            print(f"ok     {name} shared {shared}")
+    if over:
+        print(f"{over} launch(es) over sm_{arch}'s shared memory: a GPU would refuse them")
     return failed
 
 
