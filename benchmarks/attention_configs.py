@@ -13,8 +13,9 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
 bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default)
 tries 72 tilings (at head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
-`--sweep combine` the default tiling with the split combine in the kernel or launched on its own,
-at 1, 2 and 4 programs per SM, loading 8192 or 32768 partial-sum elements at once.
+`--sweep combine` the default tiling with the split combine in the kernel or launched on its own
+(its programs over 16, 32 or 64 head dims each), at 1, 2 and 4 programs per SM, loading 8192 or
+32768 partial-sum elements at once.
 """
 from __future__ import annotations
 
@@ -93,8 +94,10 @@ def main() -> None:
         configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=p, num_warps=w, num_stages=st)
                    for m, bn, p, w, st in itertools.product((0, 64, 128), key_blocks, (1, 2, 4), (4, 8), (2, 3))]
     elif args.sweep == "combine":
-        configs = [AttentionConfig(programs_per_sm=p, fold_combine=fold, combine_loads=loads)
-                   for p, fold, loads in itertools.product((1, 2, 4), (True, False), (8192, 32768))]
+        configs = [AttentionConfig(programs_per_sm=p, fold_combine=True, combine_loads=loads)
+                   for p, loads in itertools.product((1, 2, 4), (8192, 32768))]
+        configs += [AttentionConfig(programs_per_sm=p, fold_combine=False, combine_loads=loads, combine_block_d=bd)
+                    for p, loads, bd in itertools.product((1, 2, 4), (8192, 32768), (16, 32, 64))]
     elif args.sweep == "long":  # where the LONG tiling starts to pay
         configs = [DEFAULT] + [replace(LONG, programs_per_sm=p) for p in (1, 2, 4)]
     else:
