@@ -66,6 +66,8 @@ FULL_COLUMNS = (
     OUTPUT_TPS, MEDIAN_TPS, VS_AR, ACCEPT,
     Column("rounds/req", 10, lambda r: _num(r["decode_rounds"])),
     Column("TTFT med ms", 11, lambda r: _num(r["median_ttft_ms"])),
+    # a live server's own mean, from admission to its first token leaving the engine (its /metrics)
+    Column("srv TTFT ms", 11, lambda r: _num(r.get("server_mean_ttft_ms"))),
     Column("TPOT med ms", 11, lambda r: _num(r["median_tpot_ms"], "{:.2f}")),
     Column("ITL med ms", 10, lambda r: _num(r["median_itl_ms"], "{:.2f}")),
     Column("E2E med ms", 10, lambda r: _num(r["median_e2el_ms"])),
