@@ -95,3 +95,22 @@ def test_the_prefill_runs_only_where_it_is_asked_for_and_fits(monkeypatch):
         assert not gdn_prefill.usable(v.cuda(), cuda_state)  # float32 values keep the exact token loop
         assert not gdn_prefill.usable(v[:10].cuda().bfloat16(), cuda_state)  # shorter than a chunk
         assert gdn_prefill.usable(v.cuda().bfloat16(), cuda_state) == (gdn_prefill.chunk_rule() is not None)
+
+
+def test_a_failing_library_turns_itself_off_and_leaves_the_state(monkeypatch, caplog):
+    """Where the library's kernels fail (a GPU or shape it does not handle), the call gives None
+    with the state untouched, says so once, and the chunked rule is off from then on."""
+    q, k, v, g, beta, state = inputs(70, 5)
+    before = state.clone()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_61\nmore detail")
+
+    monkeypatch.setattr(gdn_prefill, "ENABLED", True)
+    with caplog.at_level("WARNING", logger="ddtree"):
+        assert gdn_prefill.chunked_or_none(q, k, v, g, beta, state, chunk=broken) is None
+    assert torch.equal(state, before) and gdn_prefill.ENABLED is False
+    assert "token-loop kernel from now on" in caplog.text and "sm_61" in caplog.text and "more detail" not in caplog.text
+    monkeypatch.setattr(gdn_prefill, "ENABLED", True)
+    got = gdn_prefill.chunked_or_none(q, k, v, g, beta, state, chunk=contract_stand_in)
+    assert got is not None and gdn_prefill.ENABLED is True  # a working rule is just called

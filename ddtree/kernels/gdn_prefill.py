@@ -26,10 +26,13 @@ token loop leaves it.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("ddtree")
 
 _SWITCH = os.environ.get("DDTREE_FLA_PREFILL", "graphs")
 if _SWITCH not in ("0", "1", "graphs"):
@@ -59,6 +62,23 @@ def usable(v: torch.Tensor, state: torch.Tensor) -> bool:
     return (ENABLED and v.is_cuda and v.dtype in VALUE_DTYPES and v.shape[0] >= MIN_TOKENS
             and state.dtype == torch.float32 and state.is_contiguous()
             and (IN_GRAPHS or not torch.cuda.is_current_stream_capturing()) and chunk_rule() is not None)
+
+
+def chunked_or_none(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, length: torch.Tensor | int | None = None,
+                    chunk: Callable | None = None) -> torch.Tensor | None:
+    """`chunked_gated_delta`, or None (the state untouched) where the library fails: on a GPU or a
+    shape it does not handle its kernels fail to build or launch, once, in the first prompt or a
+    graph's warm-up, before any capture. It is then turned off for the process, with a warning,
+    and the caller runs the token loop."""
+    global ENABLED
+    try:
+        return chunked_gated_delta(q, k, v, g, beta, state, length, chunk)
+    except Exception as exc:  # the library's own errors: Triton's compile and launch ones, its checks
+        ENABLED = False
+        log.warning("flash-linear-attention's chunked rule failed (%s: %s); hybrid prompts use the token-loop "
+                    "kernel from now on", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        return None
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -287,8 +287,10 @@ class GatedDeltaNet(nn.Module):
         last = torch.arange(k1, device=mixed.device) + (t if length is None else length)
         window.copy_(padded.index_select(0, last))
         if _use_kernels(q, k, v, state):  # any length, a prefill too (LOOP_MAX_TOKENS)
-            if gdn_prefill.usable(v, state):  # a long run through flash-linear-attention's chunks (opt-in)
-                return gdn_prefill.chunked_gated_delta(q, k, v, g, beta, state, length)
+            if gdn_prefill.usable(v, state):  # a long run through flash-linear-attention's chunks, if installed
+                o = gdn_prefill.chunked_or_none(q, k, v, g, beta, state, length)
+                if o is not None:
+                    return o
             return gdn_kernels.recurrent_gated_delta(q, k, v, g, beta, state, length)
         if t <= LOOP_MAX_TOKENS and not fresh:
             return gdn.recurrent_gated_delta(q, k, v, g, beta, state, length)
