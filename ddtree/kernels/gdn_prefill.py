@@ -76,8 +76,9 @@ def chunked_or_none(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         return chunked_gated_delta(q, k, v, g, beta, state, length, chunk)
     except Exception as exc:  # the library's own errors: Triton's compile and launch ones, its checks
         ENABLED = False
+        first_line = (str(exc).splitlines() or [""])[0][:200]
         log.warning("flash-linear-attention's chunked rule failed (%s: %s); hybrid prompts use the token-loop "
-                    "kernel from now on", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                    "kernel from now on", type(exc).__name__, first_line)
         return None
 
 
