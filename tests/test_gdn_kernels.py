@@ -127,11 +127,13 @@ def small_tree_case(name: str):
         "deep40": (40, tree_mask(40, seed=2, temperature=8.0)),
         "bushy40": (40, tree_mask(40, seed=3, temperature=1.0)),
         "padded23": (23, tree_mask(23, seed=4, vocab=3, depths=2)),  # 12 real nodes, 11 padding
+        "deep33": (33, tree_mask(33, seed=11, temperature=8.0)),  # node 0 and two whole blocks
+        "forest30": (30, torch.block_diag(tree_mask(10, seed=12), tree_mask(20, seed=13, temperature=8.0))),
     }[name]
     return n, mask
 
 
-@pytest.mark.parametrize("name", ["one", "chain17", "bushy5", "deep40", "bushy40", "padded23"])
+@pytest.mark.parametrize("name", ["one", "chain17", "bushy5", "deep40", "bushy40", "padded23", "deep33", "forest30"])
 @pytest.mark.parametrize("config", [SMALL_CONFIG, CHUNKED], ids=["one_chunk", "chunked"])
 def test_tree_equals_references(name, config):
     n, mask = small_tree_case(name)
