@@ -43,6 +43,7 @@ HK, HV, D = 16, 48, 128
 
 TREE_SWEEP = {
     "c32_w4": TreeConfig(),
+    "c32_w4_root": TreeConfig(root_first=True),
     "c64_w4": TreeConfig(block_c=64),
     "c32_w8": TreeConfig(num_warps=8),
     "c64_w8": TreeConfig(block_c=64, num_warps=8),

@@ -117,6 +117,8 @@ def assert_matches(got, want, rel=1e-4):
 SMALL = dict(hk=2, hv=4, dk=16, dv=32)  # two value tiles per head with block_v 16
 SMALL_CONFIG = TreeConfig(block_v=16, block_w=16)
 CHUNKED = TreeConfig(block_v=16, block_c=16, block_w=16)  # several steps over the ancestor lists
+ROOTED = TreeConfig(block_v=16, block_w=16, root_first=True)  # node 0 finished before the blocks
+ROOTED_CHUNKED = TreeConfig(block_v=16, block_c=16, block_w=16, root_first=True)
 
 
 def small_tree_case(name: str):
@@ -134,7 +136,8 @@ def small_tree_case(name: str):
 
 
 @pytest.mark.parametrize("name", ["one", "chain17", "bushy5", "deep40", "bushy40", "padded23", "deep33", "forest30"])
-@pytest.mark.parametrize("config", [SMALL_CONFIG, CHUNKED], ids=["one_chunk", "chunked"])
+@pytest.mark.parametrize("config", [SMALL_CONFIG, CHUNKED, ROOTED, ROOTED_CHUNKED],
+                         ids=["one_chunk", "chunked", "root_first", "root_first_chunked"])
 def test_tree_equals_references(name, config):
     n, mask = small_tree_case(name)
     q, k, v, g, beta, state = inputs(n, **SMALL, seed=n)
@@ -302,18 +305,20 @@ def test_cuda_graph_replay():
     assert_matches(state, s64)
 
 
+@pytest.mark.parametrize("root_first", [False, True])
 @pytest.mark.parametrize("n,seed", [(1, 30), (5, 31), (40, 32)])
-def test_tree_kernel_returns_the_new_values(n, seed):
+def test_tree_kernel_returns_the_new_values(n, seed, root_first):
     """`u_out` gets the reference's u (what the commit folds), contiguous or a strided view."""
+    config = TreeConfig(root_first=root_first)
     q, k, v, g, beta, state = inputs(n, 2, 4, 16, 32, seed)
     visible = tree_mask(n, seed) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=DEVICE)
     expected = torch.zeros(4, n, 32, device=DEVICE)
     ref.tree_gated_delta(q, k, v, g, beta, visible, state, u_out=expected)
     direct = torch.zeros(4, n, 32, device=DEVICE)
-    tree_gated_delta(q, k, v, g, beta, visible, state, u_out=direct)
+    tree_gated_delta(q, k, v, g, beta, visible, state, config, u_out=direct)
     torch.testing.assert_close(direct, expected, atol=2e-5, rtol=2e-5)
     wide = torch.zeros(4, n + 3, 32, device=DEVICE)  # a view into a larger stash: not contiguous
-    tree_gated_delta(q, k, v, g, beta, visible, state, u_out=wide[:, :n])
+    tree_gated_delta(q, k, v, g, beta, visible, state, config, u_out=wide[:, :n])
     torch.testing.assert_close(wide[:, :n], expected, atol=2e-5, rtol=2e-5)
     assert torch.count_nonzero(wide[:, n:]) == 0
 
@@ -361,13 +366,14 @@ def test_fold_equals_the_token_loop_along_the_path(length):
         assert torch.equal(folded, states) and torch.equal(kernel, states)
 
 
+@pytest.mark.parametrize("root_first", [False, True])
 @pytest.mark.parametrize("n,seed", [(1, 40), (5, 41), (40, 42)])
-def test_tree_kernel_writes_the_path_decays(n, seed):
+def test_tree_kernel_writes_the_path_decays(n, seed, root_first):
     """`G_out` gets each node's log-decay summed along its root path (`path_decay`), into a
     strided view of a larger stash, as the commit's fold reads it."""
     q, k, v, g, beta, state = inputs(n, 2, 4, 16, 32, seed)
     visible = tree_mask(n, seed) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=DEVICE)
     stash = torch.zeros(n + 2, 4, device=DEVICE)
-    tree_gated_delta(q, k, v, g, beta, visible, state, G_out=stash[:n])
+    tree_gated_delta(q, k, v, g, beta, visible, state, TreeConfig(root_first=root_first), G_out=stash[:n])
     torch.testing.assert_close(stash[:n], ref.path_decay(g, visible), atol=1e-6, rtol=1e-6)
     assert torch.count_nonzero(stash[n:]) == 0

@@ -77,7 +77,13 @@ class TreeConfig:
     `block_v` value columns per program of the solve and `prepare_v` of the prepare launch,
     `block_w` mask columns per step of the row scan, `block_k` key dimensions per step of the
     products (32 and 64: 250+ registers and spills at Dk = 128 on sm_90). `precision` is the
-    prepare launch's (the key and state products), `solve_precision` the solve's."""
+    prepare launch's (the key and state products), `solve_precision` the solve's. `root_first`:
+    node 0 (which has no ancestors: its u is its right-hand side) is finished by the solve before
+    its blocks, which then cover nodes 1 .. N - 1, so a round's tree of B + 1 nodes takes B /
+    block_t sequential blocks, not one more for a single node; node 0 is the first entry of every
+    block's ancestor list, and the state products keep their blocks of all N nodes. Off until
+    measured on a GPU (an earlier form, node 0's terms in the state products, made those twice as
+    slow; benchmarks/README.md)."""
 
     block_t: int = 16
     block_c: int = 32
@@ -89,6 +95,7 @@ class TreeConfig:
     solve_precision: str = "tf32x3"
     num_warps: int = 4
     num_stages: int = 2
+    root_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,9 +187,11 @@ class TreeLaunches:
         self.visible, self.state, self.config, self.n = visible, state, config, n
         bt, bc = config.block_t, config.block_c
         self.block_v, self.prepare_v = min(config.block_v, dv), min(config.prepare_v, dv)
-        self.blocks = triton.cdiv(n, bt)
-        # block b's list at bt b (b - 1) / 2, at most bt b long
-        self.slots = bt * self.blocks * (self.blocks - 1) // 2 + bc
+        self.root = int(config.root_first)
+        self.blocks = triton.cdiv(n - self.root, bt)  # the solve's blocks
+        self.rhs_blocks = triton.cdiv(n, bt)  # the state products' (all n nodes)
+        # block b's list at bt b (b - 1) / 2 + root b, at most bt b + root long
+        self.slots = bt * self.blocks * (self.blocks - 1) // 2 + self.root * self.blocks + bc
         f32 = dict(dtype=torch.float32, device=q.device)
         self.out = torch.empty(n, hv, dv, **f32)
         self.cols = torch.empty(self.slots, dtype=torch.int32, device=q.device)
@@ -190,11 +199,12 @@ class TreeLaunches:
         self.coef = torch.empty(2, hv, self.slots, bt, **f32)  # A and P over each block's ancestor list [slot, row]
         self.diag = torch.empty(2, hv, self.blocks, bt, bt, **f32)  # T = (I + A_bb)^-1 and P_bb
         self.rhs = torch.empty(2, hv, n, dv, **f32)  # beta (v - exp(G) k S) and exp(G) q S
+        self.root_qk = torch.empty(hv, **f32)  # root_first: q_0 . k_0
         self.u_out = u_out
         self.direct = u_out is not None and u_out.is_contiguous()
         self.u = u_out if self.direct else torch.empty(hv, n, dv, **f32)
         self.G_out = G_out
-        self.meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, num_warps=config.num_warps,
+        self.meta = dict(DK=dk, DV=dv, BLOCK_T=bt, BLOCK_C=bc, ROOT=self.root, num_warps=config.num_warps,
                          num_stages=config.num_stages)
 
     def prepare(self, parts: str = "all") -> None:
@@ -208,16 +218,17 @@ class TreeLaunches:
                    g.stride(0), g.stride(1), beta.stride(0), beta.stride(1))
         store_g = self.G_out is not None
         g_out = self.G_out if store_g else self.out  # unused unless STORE_G
-        _tree_prepare[(hv, self.blocks, count)](
+        _tree_prepare[(hv, self.rhs_blocks, count)](
             q, k, v, g, beta, mask, self.state, self.cols, self.counts, self.coef, self.diag, self.rhs, g_out,
-            self.n, self.slots, first, *strides, g_out.stride(0), g_out.stride(1), GROUP=hv // k.shape[1],
+            self.root_qk, self.n, self.slots, self.blocks, first, *strides, g_out.stride(0), g_out.stride(1),
+            GROUP=hv // k.shape[1],
             BLOCK_V=self.prepare_v, BLOCK_W=config.block_w, BLOCK_K=min(config.block_k, k.shape[2]),
             PRECISION=config.precision, STORE_G=store_g, **self.meta)
 
     def solve(self) -> None:
         hv, dv = self.v.shape[1], self.v.shape[2]
-        _tree_solve[(hv, dv // self.block_v)](self.cols, self.counts, self.coef, self.diag, self.rhs, self.u,
-                                              self.out, self.n, self.slots, BLOCK_V=self.block_v,
+        _tree_solve[(hv, dv // self.block_v)](self.cols, self.counts, self.coef, self.diag, self.rhs, self.root_qk,
+                                              self.u, self.out, self.n, self.slots, BLOCK_V=self.block_v,
                                               PRECISION=self.config.solve_precision, **self.meta)
 
     def result(self) -> torch.Tensor:
@@ -289,11 +300,11 @@ def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _scan_rows(mask_ptr, g_ptr, cols_ptr, rows, live, start, end, n, h, sg_n, sg_h,
+    def _scan_rows(mask_ptr, g_ptr, cols_ptr, rows, live, start, end, n, h, sg_n, sg_h, store,
                    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
         """Rows `rows` (the block [start, end)): G (their mask rows times g: the log-decay summed
         along each path) and the columns < start that any of them sees, stored compacted at
-        cols_ptr. -> (G [BLOCK_T], number of columns)."""
+        cols_ptr (where `store`). -> (G [BLOCK_T], number of columns)."""
         path_g = tl.zeros([BLOCK_T], tl.float32)
         count = 0
         c0 = 0
@@ -305,7 +316,7 @@ if triton is not None:
             path_g += tl.sum(tl.where(seen, gc[None, :], 0.0), 1)
             flag = (tl.max(seen.to(tl.int32), 0) > 0) & (c < start)
             at = count + tl.cumsum(flag.to(tl.int32), 0) - 1
-            tl.store(cols_ptr + at, c, mask=flag)
+            tl.store(cols_ptr + at, c, mask=flag & store)
             count += tl.sum(flag.to(tl.int32), 0)
             c0 += BLOCK_W
         return path_g, count
@@ -360,36 +371,51 @@ if triton is not None:
 
     @triton.jit
     def _tree_prepare(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, mask_ptr, state_ptr, cols_ptr, count_ptr, coef_ptr,
-                      diag_ptr, rhs_ptr, g_out_ptr, n, slots, first_part, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n,
-                      sg_h, sb_n, sb_h, so_n, so_h, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_G: tl.constexpr):
+                      diag_ptr, rhs_ptr, g_out_ptr, root_qk_ptr, n, slots, blocks, first_part, sq_n, sq_h, sk_n,
+                      sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, GROUP: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                      BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_G: tl.constexpr,
+                      ROOT: tl.constexpr):
         """Program (value head h, block b, part): everything of block b that does not depend on
         other blocks' u (module docstring). Part 0: the ancestor list, A and P over it, T and P_bb
         (and, STORE_G, the block's G); part p > 0: beta (v - exp(G) k S) and exp(G) q S for value
         tile p - 1. The ancestor lists depend on the mask only: every program writes the same
-        values to the same place."""
+        values to the same place. ROOT (`TreeConfig.root_first`): part 0's block b holds nodes
+        1 + b BLOCK_T ... (`blocks` of them; the launch's last is idle when N - 1 fills whole
+        blocks), the state products' nodes b BLOCK_T ..., and block 0's part 0 also stores q_0 . k_0."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         part = first_part + tl.program_id(2)
         hk = h // GROUP
         hv = tl.num_programs(0)
-        blocks = tl.num_programs(1)
         ti = tl.arange(0, BLOCK_T)
-        start = b * BLOCK_T
+        shift = ROOT * (part == 0)  # the solve's blocks start after node 0; the state products' do not
+        start = shift + b * BLOCK_T
         rows = start + ti
         live = rows < n
-        lists = cols_ptr + BLOCK_T * (b * (b - 1) // 2)
+        base = BLOCK_T * (b * (b - 1) // 2) + ROOT * b
+        lists = cols_ptr + base
         path_g, count = _scan_rows(mask_ptr, g_ptr, lists, rows, live, start, tl.minimum(start + BLOCK_T, n), n, h,
-                                   sg_n, sg_h, BLOCK_T, BLOCK_W)
+                                   sg_n, sg_h, (part == 0) & (b < blocks), BLOCK_T, BLOCK_W)
         beta = tl.load(beta_ptr + rows * sb_n + h * sb_h, mask=live, other=0.0)
-        if part == 0:
+        if (part == 0) & (b < blocks):
             if STORE_G:
                 tl.store(g_out_ptr + rows * so_n + h * so_h, path_g, mask=live)
+                if ROOT:
+                    if b == 0:  # node 0's G is its own g
+                        tl.store(g_out_ptr + h * so_h, tl.load(g_ptr + h * sg_h))
+            if ROOT:
+                if b == 0:
+                    q0k0 = 0.0
+                    for d0 in range(0, DK, BLOCK_K):
+                        d = d0 + tl.arange(0, BLOCK_K)
+                        q0k0 += tl.sum(tl.load(q_ptr + hk * sq_h + d).to(tl.float32)
+                                       * tl.load(k_ptr + hk * sk_h + d).to(tl.float32), 0)
+                    tl.store(root_qk_ptr + h, q0k0)
             tl.store(count_ptr + b, count)
             tl.debug_barrier()  # the list is read by other threads
             ci = tl.arange(0, BLOCK_C)
-            coef = coef_ptr + (h * slots + BLOCK_T * (b * (b - 1) // 2)) * BLOCK_T
+            coef = coef_ptr + (h * slots + base) * BLOCK_T
             j0 = 0
             while j0 < count:  # A and P over the block's ancestors outside it
                 ok = j0 + ci < count
@@ -421,7 +447,7 @@ if triton is not None:
             square = ((h * blocks + b) * BLOCK_T + ti[:, None]) * BLOCK_T + ti[None, :]
             tl.store(diag_ptr + square, t)
             tl.store(diag_ptr + hv * blocks * BLOCK_T * BLOCK_T + square, qk * decay)
-        else:
+        if part > 0:
             dv = (part - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
             ks, qs = _state_products(q_ptr, k_ptr, state_ptr + h * DK * DV, rows, live, hk, dv, sq_n, sq_h, sk_n,
                                      sk_h, DK, DV, BLOCK_V, BLOCK_K, PRECISION)
@@ -433,7 +459,7 @@ if triton is not None:
 
     @triton.jit
     def _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b, blocks, n, slots, hv, dv,
-                     DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                     DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ROOT: tl.constexpr):
         """Block b's inputs that do not wait on u: its ancestor count, first BLOCK_C ancestors and
         their A and P columns (the scratch has BLOCK_C entries of slack past the last list, so these
         loads need no count; entries past it are garbage until masked), T, P_bb, rhs0, exp(G) q S.
@@ -441,9 +467,9 @@ if triton is not None:
         ti = tl.arange(0, BLOCK_T)
         ci = tl.arange(0, BLOCK_C)
         real = b < blocks
-        rows = b * BLOCK_T + ti
+        rows = ROOT + b * BLOCK_T + ti
         live = rows < n
-        base = BLOCK_T * (b * (b - 1) // 2)
+        base = BLOCK_T * (b * (b - 1) // 2) + ROOT * b
         count = tl.load(count_ptr + b, mask=real, other=0)
         c = tl.load(cols_ptr + base + ci)
         slot = ((h * slots + base + ci[:, None]) * BLOCK_T + ti[None, :])
@@ -458,26 +484,33 @@ if triton is not None:
         return count, c, a, p, t, p_bb, rhs, o
 
     @triton.jit
-    def _tree_solve(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, u_ptr, out_ptr, n, slots,
+    def _tree_solve(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, root_qk_ptr, u_ptr, out_ptr, n, slots,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                    BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_V: tl.constexpr, PRECISION: tl.constexpr, ROOT: tl.constexpr):
         """Program (value head h, value tile): u and o block by block (module docstring). Each
         block's inputs that do not depend on u are loaded while the block before finishes, so a
-        block waits on one round trip: the gather of its ancestors' u."""
+        block waits on one round trip: the gather of its ancestors' u. ROOT: node 0 first, u_0 =
+        its right-hand side and o_0 = exp(g_0) q_0 S + (q_0 . k_0) u_0; the blocks follow it."""
         h = tl.program_id(0)
         hv = tl.num_programs(0)
         dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         ti = tl.arange(0, BLOCK_T)
         ci = tl.arange(0, BLOCK_C)
-        blocks = (n + BLOCK_T - 1) // BLOCK_T
+        blocks = (n - ROOT + BLOCK_T - 1) // BLOCK_T
         coef_p = coef_ptr + hv * slots * BLOCK_T
         b = 0
         count, c, a, p, t, p_bb, rhs, o = _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b, blocks,
-                                                       n, slots, hv, dv, DV, BLOCK_T, BLOCK_C)
+                                                       n, slots, hv, dv, DV, BLOCK_T, BLOCK_C, ROOT)
+        if ROOT:
+            u0 = tl.load(rhs_ptr + h * n * DV + dv)
+            tl.store(u_ptr + h * n * DV + dv, u0)
+            o0 = tl.load(rhs_ptr + (hv * n + h * n) * DV + dv) + tl.load(root_qk_ptr + h) * u0
+            tl.store(out_ptr + h * DV + dv, o0)
+            tl.debug_barrier()  # u_0 is read by other threads in every block's gather
         while b < blocks:
-            rows = b * BLOCK_T + ti
+            rows = ROOT + b * BLOCK_T + ti
             live = rows < n
-            base = BLOCK_T * (b * (b - 1) // 2)
+            base = BLOCK_T * (b * (b - 1) // 2) + ROOT * b
             ok = ci < count
             uc = tl.load(u_ptr + (h * n + c[:, None]) * DV + dv[None, :], mask=ok[:, None], other=0.0)
             a = tl.where(ok[:, None], a, 0.0)
@@ -501,7 +534,7 @@ if triton is not None:
             tl.store(out_ptr + (rows[:, None] * hv + h) * DV + dv[None, :], o, mask=live[:, None])
             b += 1
             count, c, a, p, t, p_bb, rhs, o = _solve_loads(cols_ptr, count_ptr, coef_ptr, diag_ptr, rhs_ptr, h, b,
-                                                           blocks, n, slots, hv, dv, DV, BLOCK_T, BLOCK_C)
+                                                           blocks, n, slots, hv, dv, DV, BLOCK_T, BLOCK_C, ROOT)
             tl.debug_barrier()  # u is read by other threads for later blocks
 
     @triton.jit
