@@ -234,3 +234,63 @@ def test_head_dim_256_tilings_equal_reference(n, context):
     got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), 0.0625,
                            prefix_len=torch.tensor(context, device=DEVICE), config=config)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.0625).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,context", [(1, 4, 2, 16, 300), (17, 4, 1, 32, 200), (9, 8, 2, 16, 130)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefix_through_tensor_descriptors(n, hq, hkv, d, context, splits):
+    """The prefix's keys and values read through tensor descriptors (`AttentionConfig.tma`), from
+    a strided slice of a layered cache: equal to float64 attention, with the key split and without."""
+    kv_len = context + n + 7
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + d, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block = mask[:, context:context + n].contiguous()
+    config = AttentionConfig(block_n=32, tma=True)
+    got = masked_attention(q, k, v, block, d**-0.5, prefix_len=torch.tensor(context, device=DEVICE), config=config,
+                           splits=splits)
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_prefix_through_tensor_descriptors_batched(splits):
+    """Three sequences of a cache in one launch, each row's descriptors from its own first slot."""
+    from ddtree.kernels.tree_attention import batched_masked_attention
+
+    n, hq, hkv, d, rows = 9, 4, 2, 16, 3
+    lens, starts, cache_len = [70, 130, 5], [0, 90, 240], 260
+    gen = torch.Generator().manual_seed(7 + splits)
+    q = torch.randn(rows * n, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(cache_len, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(cache_len, hkv, d, generator=gen).to(DEVICE)
+    blocks = torch.stack([tree_mask(n, 0, n, seed=r)[:, :n] for r in range(rows)]).to(DEVICE)
+    got = batched_masked_attention(q, k, v, blocks, 0.25, torch.tensor(lens, device=DEVICE),
+                                   torch.tensor(starts, device=DEVICE), max_kv=max(lens) + n,
+                                   config=AttentionConfig(block_n=32, tma=True), splits=splits)
+    for r in range(rows):
+        span = slice(starts[r], starts[r] + lens[r] + n)
+        mask = torch.zeros(n, lens[r] + n, dtype=torch.bool, device=DEVICE)
+        mask[:, :lens[r]] = True
+        mask[:, lens[r]:] = blocks[r]
+        want = reference(q[r * n:(r + 1) * n], k[span], v[span], mask, 0.25)
+        torch.testing.assert_close(got[r * n:(r + 1) * n].double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("context,n,heads", [(32768, 65, (32, 8, 128)), (32768, 1, (32, 8, 128)),
+                                             (8192, 65, (24, 4, 256))])
+def test_prefix_through_tensor_descriptors_long_context_bf16_and_graph(context, n, heads):
+    """The shape's own tiling with the prefix read through tensor descriptors (TMA), over a long
+    context in bf16: equal to float64 attention, and a graph replay equals the eager call."""
+    from ddtree.engine import capture_graph
+
+    hq, hkv, d = heads
+    kv_len = -(-(context + n) // 256) * 256
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block, prefix = mask[:, context:context + n].contiguous(), torch.tensor(context, device=DEVICE)
+    config = replace(tiling(n * (hq // hkv), kv_len, d), tma=True)
+    eager = masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix, config=config)
+    torch.testing.assert_close(eager.double(), reference(q, k, v, mask, d**-0.5), atol=2e-2, rtol=2e-2)
+    graph, out = capture_graph(lambda: masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix, config=config))
+    graph.replay()
+    assert torch.equal(out, eager)

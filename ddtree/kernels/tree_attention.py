@@ -100,6 +100,9 @@ class AttentionConfig:
     # 8192 keys (6 rows, 66 splits) 4 programs of 33 dependent loads each: 40.8 us a layer, against
     # 14.5 for the attention itself (verify_profile_h200_qwen36_27b_8192.json).
     combine_block_d: int = 32
+    # The prefix's key and value tiles (the unmasked loop, most of a long context) loaded through
+    # tensor descriptors (TMA on sm_90+) instead of per-element addresses. Off until measured.
+    tma: bool = False
 
 
 DEFAULT = AttentionConfig()
@@ -151,6 +154,19 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's scratch for descriptors made on the device, from torch's allocator (a graph
+    capture's pool while capturing), on the device Triton launches on (the current one)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_scratch() -> None:
+    """Tensor descriptors made on the device (`AttentionConfig.tma`) live in scratch memory that
+    Triton asks its allocator for at each launch; it has none until one is set."""
+    triton.set_allocator(_scratch)
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -274,14 +290,16 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     splits_p = triton.next_power_of_2(splits)
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
     batched = first_slot is not None
+    if config.tma and prefix:
+        _descriptor_scratch()
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
                      keys_per_split, splits, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1),
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold, PREFIX=prefix,
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
-                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
-                     num_stages=config.num_stages)
+                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, TMA=config.tma and prefix,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1 and not fold:
         combine_m, combine_d = 16, min(config.combine_block_d, d)
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
@@ -295,18 +313,25 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
 if triton is not None:
 
     @triton.jit
-    def _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h, sv_t, sv_h,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h, sv_t, sv_h,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
         """Keys [j, j + BLOCK_N), all inside the prefix every row sees, into m_i, l_i, acc: no bounds,
-        no mask and no empty-row guard (the FlashAttention inner loop; most of a long context)."""
-        cols = j + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :])
+        no mask and no empty-row guard (the FlashAttention inner loop; most of a long context).
+        k_src, v_src: the caches' pointers, or (TMA) KV head h's tensor descriptors."""
+        if TMA:
+            k = k_src.load([j, 0])
+        else:
+            cols = j + tl.arange(0, BLOCK_N)
+            k = tl.load(k_src + cols[:, None] * sk_t + h * sk_h + dims[None, :])
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         p = tl.exp2(logits - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + cols[:, None] * sv_t + h * sv_h + dims[None, :])
+        if TMA:
+            v = v_src.load([j, 0])
+        else:
+            v = tl.load(v_src + cols[:, None] * sv_t + h * sv_h + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
@@ -344,7 +369,8 @@ if triton is not None:
                    rows, kv_len, keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h,
                    sm_n, so_n, so_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, BATCHED: tl.constexpr,
-                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+                   TMA: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
@@ -389,16 +415,24 @@ if triton is not None:
         end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
         if PREFIX:  # whole key blocks of the prefix first, with no mask; the rest below, masked
             seen_end = tl.minimum(end, (prefix_len // BLOCK_N) * BLOCK_N)
+            if TMA:  # KV head h's keys and values as [kv_len, D] tensors, read in [BLOCK_N, D] boxes
+                k_src = tl.make_tensor_descriptor(k_ptr + h * sk_h, shape=[kv_len, D], strides=[sk_t, 1],
+                                                  block_shape=[BLOCK_N, D])
+                v_src = tl.make_tensor_descriptor(v_ptr + h * sv_h, shape=[kv_len, D], strides=[sv_t, 1],
+                                                  block_shape=[BLOCK_N, D])
+            else:
+                k_src = k_ptr
+                v_src = v_ptr
             if LOOP_WHILE:
                 j = start
                 while j < seen_end:
-                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
-                                               sv_t, sv_h, BLOCK_N, PRECISION)
+                    m_i, l_i, acc = _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION, TMA)
                     j += BLOCK_N
             else:
                 for j in range(start, seen_end, BLOCK_N):
-                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
-                                               sv_t, sv_h, BLOCK_N, PRECISION)
+                    m_i, l_i, acc = _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION, TMA)
             start = tl.maximum(start, seen_end)
         if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
             j = start
