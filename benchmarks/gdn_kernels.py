@@ -44,6 +44,11 @@ HK, HV, D = 16, 48, 128
 TREE_SWEEP = {
     "c32_w4": TreeConfig(),
     "c32_w4_root": TreeConfig(root_first=True),
+    "c32_w4_r128": TreeConfig(prepare_registers=128),
+    "c32_w4_root_r128": TreeConfig(root_first=True, prepare_registers=128),
+    "c32_w4_s3": TreeConfig(num_stages=3),
+    "c32_w4_r128_s3": TreeConfig(prepare_registers=128, num_stages=3),
+    "c32_w4_r128_s4": TreeConfig(prepare_registers=128, num_stages=4),
     "c64_w4": TreeConfig(block_c=64),
     "c32_w8": TreeConfig(num_warps=8),
     "c64_w8": TreeConfig(block_c=64, num_warps=8),

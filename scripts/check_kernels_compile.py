@@ -9,7 +9,7 @@ before a GPU does:
 1. runs the tests (default: the kernel tests, when no test path is given) in the interpreter,
    recording each launch: the kernel, its arguments' types, which of them a GPU launch would
    specialise as 16-byte aligned (a tensor whose address, an integer whose value, is a multiple of
-   16, as Triton's launcher does), its constexprs and num_warps / num_stages;
+   16, as Triton's launcher does), its constexprs and num_warps / num_stages / maxnreg;
 2. compiles each distinct launch, in a process without the interpreter, with `triton.compile`
    for the target (sm_90, the H100's and H200's, by default), down to a cubin, with those
    alignments: they are what lets the compiler pipeline a loop's loads through shared memory, so
@@ -18,8 +18,14 @@ before a GPU does:
    failure here, since the interpreter's tests may force a tiling in float32 that GPU launches only
    take with 2-byte inputs.
 
-Compiling is not running: register spills and the numbers are the GPU tests' to find. Exit status
-1 if a launch does not compile.
+`--record-only` records the launches without running them (their outputs are garbage): for
+`scripts/model_shape_launches.py`, the verify's launches at real model shapes, too large for the
+interpreter to run in reasonable time.
+
+Each launch's line also gives its registers a thread and local (spilled) bytes, from the cubin
+(`cuobjdump -res-usage`, shipped with Triton): with num_warps they bound how many programs share
+an SM. Compiling is not running: the numbers are the GPU's to find. Exit status 1 if a launch
+does not compile.
 """
 from __future__ import annotations
 
@@ -34,11 +40,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_ENV = "DDTREE_RECORD_LAUNCHES"
+RECORD_ONLY_ENV = "DDTREE_RECORD_ONLY"
 KERNEL_TESTS = ["tests/test_tree_attention.py", "tests/test_batched_attention.py", "tests/test_gdn_kernels.py",
                 "tests/test_gdn_tree_inputs.py", "tests/test_kv_write.py", "tests/test_tree_kernels.py"]
 POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "float64": "*fp64", "int64": "*i64",
                  "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 # Shared memory one block may use, by compute capability (CUDA's opt-in maximum per block).
 SHARED_LIMITS = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
@@ -95,6 +102,8 @@ if os.environ.get(RECORD_ENV):
 
     def _recording_run(self, *args, grid, warmup, **kwargs):
         _record(_LAUNCHES, self.fn, args, kwargs)
+        if os.environ.get(RECORD_ONLY_ENV):
+            return None
         return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = _recording_run
@@ -105,6 +114,31 @@ if os.environ.get(RECORD_ENV):
 
 
 # -- 2. compiling ------------------------------------------------------------------------------------------
+
+def resource_usage(cubin: bytes) -> str:
+    """'regs R local L' of a compiled kernel, read from its cubin with Triton's cuobjdump ('' where
+    that tool is missing)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(item.split(":", 1) for line in report.splitlines() if "REG:" in line for item in line.split())
+    return f" regs {fields.get('REG', '?')} local {fields.get('LOCAL', '?')}" if fields else ""
+
+
+def programs_per_sm(registers: int, shared: int, num_warps: int, shared_limit: int) -> int:
+    """How many programs (CTAs) of a launch an SM holds at once (sm_80+ limits: 64K registers,
+    allocated per warp in units of 256; 64 warps; 32 CTAs; shared memory plus 1 KiB reserved a CTA)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (per_warp * num_warps) if registers else 32
+    by_shared = shared_limit // (shared + 1024)
+    return max(0, min(by_registers, by_shared, 64 // num_warps, 32))
+
 
 def compile_launches(path: Path, arch: int) -> int:
     """Compile every recorded launch for sm_<arch> -> the number that failed."""
@@ -136,7 +170,12 @@ def compile_launches(path: Path, arch: int) -> int:
             print(f"OVER   {name}\n  shared memory: {shared} bytes, over sm_{arch}'s {limit} per block "
                   f"(inputs {sorted(set(t for t in launch['signature'].values() if t.startswith('*')))})")
         else:
-            print(f"ok     {name} shared {shared}")
+            usage = resource_usage(compiled.asm["cubin"])
+            fit = ""
+            if usage and limit is not None:
+                registers = int(usage.split()[1]) if usage.split()[1].isdigit() else 0
+                fit = f" ({programs_per_sm(registers, shared, launch['options'].get('num_warps', 4), limit)} an SM)"
+            print(f"ok     {name} shared {shared}{usage}{fit}")
     if over:
         print(f"{over} launch(es) over sm_{arch}'s shared memory: a GPU would refuse them")
     return failed
@@ -145,10 +184,13 @@ def compile_launches(path: Path, arch: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, e.g. 90 (sm_90)")
+    ap.add_argument("--record-only", action="store_true", help="record the launches without running them")
     args, pytest_args = ap.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "launches.json"
         env = dict(os.environ, TRITON_INTERPRET="1", **{RECORD_ENV: str(record)})
+        if args.record_only:
+            env[RECORD_ONLY_ENV] = "1"
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
         paths = [arg for arg in pytest_args if arg.split("::")[0].endswith(".py") or (ROOT / arg).is_dir()]
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "check_kernels_compile", *pytest_args,

@@ -83,7 +83,10 @@ class TreeConfig:
     block_t sequential blocks, not one more for a single node; node 0 is the first entry of every
     block's ancestor list, and the state products keep their blocks of all N nodes. Off until
     measured on a GPU (an earlier form, node 0's terms in the state products, made those twice as
-    slow; benchmarks/README.md)."""
+    slow; benchmarks/README.md). `prepare_registers`: a cap on the prepare launch's registers a
+    thread (ptxas' maxnreg), None for the compiler's choice: compiled for sm_90 at Qwen3.6-27B's
+    heads it takes 155, so three 4-warp programs fit an SM and a 65-node tree's 480 programs take
+    1.2 waves of an H200's 132 SMs; at 128 (16 bytes spilled) four fit, one wave."""
 
     block_t: int = 16
     block_c: int = 32
@@ -96,6 +99,7 @@ class TreeConfig:
     num_warps: int = 4
     num_stages: int = 2
     root_first: bool = False
+    prepare_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +227,7 @@ class TreeLaunches:
             self.root_qk, self.n, self.slots, self.blocks, first, *strides, g_out.stride(0), g_out.stride(1),
             GROUP=hv // k.shape[1],
             BLOCK_V=self.prepare_v, BLOCK_W=config.block_w, BLOCK_K=min(config.block_k, k.shape[2]),
-            PRECISION=config.precision, STORE_G=store_g, **self.meta)
+            PRECISION=config.precision, STORE_G=store_g, maxnreg=config.prepare_registers, **self.meta)
 
     def solve(self) -> None:
         hv, dv = self.v.shape[1], self.v.shape[2]

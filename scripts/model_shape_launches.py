@@ -1,0 +1,56 @@
+"""The verify's Triton launches at real model shapes, for `check_kernels_compile.py` to compile and
+report (registers, spills, shared memory, programs an SM) without a GPU:
+
+    python scripts/check_kernels_compile.py --record-only scripts/model_shape_launches.py
+
+Not tests: with --record-only the launches are recorded, not run (the interpreter would take
+minutes at these sizes), so nothing here checks a result; `tests/` does that at small shapes.
+The shapes: Qwen3.6-27B's Gated DeltaNet heads (Hk 16, Hv 48, D 128) and attention heads (24 / 4 /
+256), Qwen3-8B's attention heads (32 / 8 / 128); trees of 17, 65 and 257 nodes; 8192 cached keys
+(the attention's tiling changes from 4096 on), split for an H200's 132 SMs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.kernels import gdn_tree, tree_attention
+from ddtree.tree import build_tree
+
+CONTEXT = 8192
+SMS = 132  # an H200's (and H100 SXM's): the attention's key splits follow it
+
+
+@pytest.fixture(autouse=True)
+def _gpu_sm_count(monkeypatch):
+    monkeypatch.setattr(tree_attention, "_sm_count", lambda device: SMS)
+
+
+def _tree(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    logp = torch.log_softmax(torch.randn(15, 1000, generator=gen) * 8.0, dim=-1)
+    return build_tree(logp, torch.tensor(1), n - 1).visible
+
+
+@pytest.mark.parametrize("n", [17, 65, 257])
+@pytest.mark.parametrize("config", [gdn_tree.TreeConfig(), gdn_tree.TreeConfig(prepare_registers=128),
+                                    gdn_tree.TreeConfig(root_first=True)], ids=["default", "r128", "root_first"])
+def test_gdn_tree_qwen36_27b(n, config):
+    hk, hv, d = 16, 48, 128
+    q, k = torch.randn(n, hk, d), torch.randn(n, hk, d)
+    v = torch.randn(n, hv, d).bfloat16()
+    g, beta = torch.randn(n, hv), torch.rand(n, hv)
+    state = torch.randn(hv, d, d)
+    gdn_tree.tree_gated_delta(q, k, v, g, beta, _tree(n), state, config,
+                              u_out=torch.empty(hv, n, d), G_out=torch.empty(n, hv))
+
+
+@pytest.mark.parametrize("n", [1, 17, 65, 257])
+@pytest.mark.parametrize("heads", [(24, 4, 256), (32, 8, 128)], ids=["qwen36_27b", "qwen3_8b"])
+def test_tree_attention(n, heads):
+    hq, hkv, d = heads
+    kv_len = -(-(CONTEXT + n) // 256) * 256
+    q = torch.randn(n, hq, d).bfloat16()
+    cache = torch.randn(2, kv_len, hkv, d).bfloat16()
+    block = _tree(n) if n > 1 else torch.ones(1, 1, dtype=torch.bool)
+    tree_attention.masked_attention(q, cache[0], cache[1], block, d ** -0.5, prefix_len=torch.tensor(CONTEXT))
