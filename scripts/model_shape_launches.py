@@ -11,6 +11,8 @@ The shapes: Qwen3.6-27B's Gated DeltaNet heads (Hk 16, Hv 48, D 128) and attenti
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,10 +49,13 @@ def test_gdn_tree_qwen36_27b(n, config):
 
 @pytest.mark.parametrize("n", [1, 17, 65, 257])
 @pytest.mark.parametrize("heads", [(24, 4, 256), (32, 8, 128)], ids=["qwen36_27b", "qwen3_8b"])
-def test_tree_attention(n, heads):
+@pytest.mark.parametrize("tiled", [False, True], ids=["combine", "combine_tiled"])
+def test_tree_attention(n, heads, tiled):
     hq, hkv, d = heads
     kv_len = -(-(CONTEXT + n) // 256) * 256
     q = torch.randn(n, hq, d).bfloat16()
     cache = torch.randn(2, kv_len, hkv, d).bfloat16()
     block = _tree(n) if n > 1 else torch.ones(1, 1, dtype=torch.bool)
-    tree_attention.masked_attention(q, cache[0], cache[1], block, d ** -0.5, prefix_len=torch.tensor(CONTEXT))
+    config = replace(tree_attention.tiling(n * hq // hkv, kv_len, d), combine_tiled=tiled)
+    tree_attention.masked_attention(q, cache[0], cache[1], block, d ** -0.5, config=config,
+                                    prefix_len=torch.tensor(CONTEXT))

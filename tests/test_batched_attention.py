@@ -90,13 +90,14 @@ def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, blo
         torch.testing.assert_close(mine.double(), want.to(mine.device), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("fold,tiled", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("splits", [2, 5])
-def test_combine_in_kernel_or_launched(fold, splits):
+def test_combine_in_kernel_or_launched(fold, tiled, splits):
     """Each (row block, KV head, batch row) tile's splits are combined by its last split (arrival
-    counters per tile) or by the combine launch; repeated calls find the counters zeroed."""
+    counters per tile) or by the combine launch (split by split, or tiled); repeated calls find
+    the counters zeroed."""
     m, prefixes = 6, [300, 12, 150]
-    config = AttentionConfig(fold_combine=fold)
+    config = AttentionConfig(fold_combine=fold, combine_tiled=tiled)
     blk = block_masks(m, 3, "tree", seed=4)
     prefix = torch.tensor(prefixes, device=DEVICE, dtype=torch.int32)
     for seed in range(2):

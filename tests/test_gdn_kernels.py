@@ -247,7 +247,9 @@ def test_supported():
     assert not supported(q[..., :12], k[..., :12], v)  # Dk not a power of two >= 16
     assert not supported(q, k, v[:, :3])  # 3 value heads over 2 key heads
     assert not supported(q, k, v, state.double())
-    assert tree_config(1025) is not None
+    # per size: a third pipeline stage throughout, the prepare launch's register cap above 32 nodes
+    assert tree_config(17).prepare_registers is None and tree_config(17).num_stages == 3
+    assert tree_config(33).prepare_registers == 128 and tree_config(1025).num_stages == 3
 
 
 # GPU: Qwen3.6-27B's GDN layers (Hk 16, Hv 48, Dk = Dv = 128), the default tilings.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
 from ddtree.kernels.tree_attention import (  # noqa: E402
-    DEFAULT, LONG, LONG_256, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
+    DEFAULT, LONG, LONG_256, MID_256, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -91,16 +91,18 @@ def test_prefix_form_equals_dense_mask(n, hq, hkv, d, context, kv_len, splits, b
     torch.testing.assert_close(got.double(), reference(q, k, v, dense, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fold,block_d", [(True, 32), (False, 32), (False, 8)])
+@pytest.mark.parametrize("fold,block_d,tiled", [(True, 32, False), (False, 32, False), (False, 8, False),
+                                                (False, 16, True), (False, 8, True)])
 @pytest.mark.parametrize("splits", [2, 5, 9])
 @pytest.mark.parametrize("loads", [256, 8192])  # 1 split per load group at 256 (16 rows x 16 dims)
-def test_split_combine_in_kernel_or_launched(fold, block_d, splits, loads):
+def test_split_combine_in_kernel_or_launched(fold, block_d, tiled, splits, loads):
     """The split combine done by each row block's last split (default) or as its own launch (whole
-    head dims per program, or in chunks of 8), over split counts around the combine's grouped
-    loads; repeated calls find the arrival counters zeroed."""
+    head dims per program, or in chunks of 8; split by split, or as [splits, rows, dims] tiles: at
+    256 loads in several split steps and rows spread over programs), over split counts around the
+    combine's grouped loads; repeated calls find the arrival counters zeroed."""
     n, hq, hkv, d, context, kv_len = 6, 4, 2, 16, 300, 320
     mask = tree_mask(n, context, kv_len, seed=2).to(DEVICE)
-    config = AttentionConfig(fold_combine=fold, combine_loads=loads, combine_block_d=block_d)
+    config = AttentionConfig(fold_combine=fold, combine_loads=loads, combine_block_d=block_d, combine_tiled=tiled)
     for seed in range(2):
         q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=seed)
         got = masked_attention(q, k, v, mask, d**-0.5, splits=splits, config=config)
@@ -148,10 +150,13 @@ def test_plan_fills_the_gpu_with_splits():
 def test_tiling_by_shape():
     assert tiling(rows=4, kv_len=131072, head_dim=128) is DEFAULT  # one query: bandwidth-bound
     assert tiling(rows=260, kv_len=1024, head_dim=128) is DEFAULT  # a short context
-    assert tiling(rows=102, kv_len=32768, head_dim=256) is DEFAULT  # LONG's tiles do not fit at 256
+    # LONG's tiles do not fit at 256; 64-row blocks there fit one program an SM
+    assert tiling(rows=102, kv_len=32768, head_dim=256) is MID_256 and MID_256.programs_per_sm == 1
+    assert tiling(rows=6, kv_len=8448, head_dim=256) is DEFAULT  # 16-row blocks: two fit an SM
     assert tiling(rows=390, kv_len=1024, head_dim=256).block_m == 32
     assert tiling(rows=1542, kv_len=1024, head_dim=256).block_n == 32
     assert tiling(rows=390, kv_len=8448, head_dim=256) is LONG_256  # many rows over a long context
+    assert LONG_256.programs_per_sm == 1
     assert [tiling(rows, 32768, 128).programs_per_sm for rows in (68, 260, 1028)] == [1, 2, 4]
     assert tiling(rows=1028, kv_len=32768, head_dim=128).block_m == LONG.block_m
 

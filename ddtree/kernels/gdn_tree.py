@@ -52,7 +52,11 @@ benchmarks/README.md): the tree, N = 1 / 16 (chain) / 17 / 65 / 257 / 1025: 3.5 
 loop, T = 1 and 16: 3.7 and 11.8 us against 47 and 503. A first design, one program per (head,
 value tile) walking the blocks with all the work inside, took 13 / 29 / 89 / 500 us at
 N = 1 / 17 / 65 / 257: each block waited on a chain of dependent loads, with two programs per
-SM to hide them. What remains is not yet broken down between the two launches.
+SM to hide them. `tree_config`'s per-size tilings (a third pipeline stage; above 32 nodes a
+register cap) took 17.4 / 30.9 / 120.6 us at N = 17 / 65 / 257 against 18.9 / 35.8 / 132.8 before
+(another lease). Of the 65-node call's 30.9, the prepare launch is about 21 us and the solve 12
+(they overlap a little); in the prepare, the key and state products over Dk in 16-wide slices are
+the long chains (timing-only copies without them: benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -81,12 +85,14 @@ class TreeConfig:
     node 0 (which has no ancestors: its u is its right-hand side) is finished by the solve before
     its blocks, which then cover nodes 1 .. N - 1, so a round's tree of B + 1 nodes takes B /
     block_t sequential blocks, not one more for a single node; node 0 is the first entry of every
-    block's ancestor list, and the state products keep their blocks of all N nodes. Off until
-    measured on a GPU (an earlier form, node 0's terms in the state products, made those twice as
-    slow; benchmarks/README.md). `prepare_registers`: a cap on the prepare launch's registers a
+    block's ancestor list, and the state products keep their blocks of all N nodes. Off: on an
+    H200 it saved the solve 1.5-1.7 us at 17 and 65 nodes, but the whole call changed by -5% to
+    +3% (an earlier form, node 0's terms in the state products, made those twice as slow;
+    benchmarks/README.md). `prepare_registers`: a cap on the prepare launch's registers a
     thread (ptxas' maxnreg), None for the compiler's choice: compiled for sm_90 at Qwen3.6-27B's
     heads it takes 155, so three 4-warp programs fit an SM and a 65-node tree's 480 programs take
-    1.2 waves of an H200's 132 SMs; at 128 (16 bytes spilled) four fit, one wave."""
+    1.2 waves of an H200's 132 SMs; at 128 (16 bytes spilled) four fit, one wave (`tree_config`).
+    The dataclass defaults are the tiling before these measurements; `tree_config` picks per size."""
 
     block_t: int = 16
     block_c: int = 32
@@ -115,12 +121,22 @@ class RecurrentConfig:
 RECURRENT_DEFAULT = RecurrentConfig()
 
 
+# Three pipeline stages (the key slices' loads further ahead) for every tree, and above 32 nodes the
+# prepare launch's registers capped at 128 (155 uncapped at Qwen3.6-27B's heads: three programs an
+# SM, four at the cap, so a 65-node tree's 480 programs fit one wave). H200, Hv 48, D 128, deep
+# drafts, us a call (`benchmarks/gdn_kernels.py --tokens 17,65,257 --steps none --sweep --configs
+# c32_w4,c32_w4_s3,c32_w4_r128,c32_w4_r128_s3 --breakdown`; gdn_kernels_h200_prepare_registers.json):
+# N = 17: 18.86 -> 17.44 (the cap alone 19.34); N = 65: 35.77 -> 30.85; N = 257: 132.8 -> 120.6.
+SMALL_TREE = TreeConfig(num_stages=3)
+LARGE_TREE = TreeConfig(num_stages=3, prepare_registers=128)
+
+
 def tree_config(n: int) -> TreeConfig:
-    """The tiling for a tree of n nodes: the default at every n. Of 11 accurate tilings on an H200
-    (Hv 48, D 128; `benchmarks/gdn_kernels.py --sweep`) it was the fastest or within 6% at N = 16,
-    17, 65, 257; 64 ancestor columns per step were 1-27% slower, 8 warps 21-65%, 32-node blocks
-    56-187%."""
-    return TreeConfig()
+    """The tiling for a tree of n nodes: SMALL_TREE up to 32 nodes, LARGE_TREE above. Of 11
+    accurate tilings before these two (`benchmarks/gdn_kernels.py --sweep`) TreeConfig() was the
+    fastest or within 6% at N = 16, 17, 65, 257; 64 ancestor columns per step were 1-27% slower, 8
+    warps 21-65%, 32-node blocks 56-187%; `root_first` -5% to +3% (not taken)."""
+    return SMALL_TREE if n <= 32 else LARGE_TREE
 
 
 def _pow2_dim(d: int) -> bool:

@@ -101,8 +101,15 @@ class AttentionConfig:
     # 14.5 for the attention itself (verify_profile_h200_qwen36_27b_8192.json).
     combine_block_d: int = 32
     # The prefix's key and value tiles (the unmasked loop, most of a long context) loaded through
-    # tensor descriptors (TMA on sm_90+) instead of per-element addresses. Off until measured.
+    # tensor descriptors (TMA on sm_90+) instead of per-element addresses. Off: on an H200 it was
+    # 1-2% faster for 1 and 17 tokens and 3-10% slower for 65 and 257 (benchmarks/README.md).
     tma: bool = False
+    # The combine launch reads its rows' partial sums as [splits, rows, dims] tiles, every split at
+    # once where `combine_loads` allows, and sums over the splits in registers. The split-at-a-time
+    # loop took about 0.45 us a split: one token at Qwen3.6-27B heads over 8192 keys, 66 splits,
+    # 29.8 us against the attention's 14.4 (the per-split weight's layout change, a barrier each,
+    # kept the loads from overlapping). Off until timed on a GPU.
+    combine_tiled: bool = False
 
 
 DEFAULT = AttentionConfig()
@@ -113,8 +120,14 @@ LONG = AttentionConfig(block_m=128, num_warps=8, num_stages=3)
 LONG_KV_MIN = 4096  # keys from which LONG serves rows > 32 at head_dim <= 128 (> 128 at 256)
 # At head_dim 256 a third stage does not fit in shared memory. H200, Qwen3.6-27B heads (24/4/256),
 # 8192 cached keys, N = 65 (390 rows): 133.0 us with 32-row blocks, 75.7 with these tiles
-# (attention_configs_h200_qwen36_27b_8k.json).
-LONG_256 = AttentionConfig(block_m=128, num_warps=8, num_stages=2)
+# (attention_configs_h200_qwen36_27b_8k.json). One program an SM: its tiles take 205 KB of shared
+# memory and 255 registers a thread (compiled for sm_90, scripts/check_kernels_compile.py), so a
+# second one per SM only made a second wave: 53.3 -> 45.8 us for the attention and 9.8 -> 3.9 for
+# the combine launch at N = 65 (16 layers' caches in turn; benchmarks/attention_profile.py).
+LONG_256 = AttentionConfig(block_m=128, num_warps=8, num_stages=2, programs_per_sm=1)
+# 64-row blocks at head_dim 256 (33-128 rows): 168 KB of shared memory, one program an SM as well.
+# Same run, N = 17 (102 rows): 28.5 -> 24.7 us, combine 21.1 -> 5.9.
+MID_256 = replace(DEFAULT, programs_per_sm=1)
 
 
 def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes: int = 2) -> AttentionConfig:
@@ -124,12 +137,15 @@ def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes:
     float32 tiles of their size do not fit in an SM's shared memory. At head_dim 256 LONG's tiles do not fit;
     there smaller tiles serve many rows (H200, Qwen3.6-27B heads 24/4/256, 512 cached keys, us per
     layer: N = 65 (390 rows) 27.3 -> 21.9 with 32-row blocks; N = 257 (1542 rows) 54.0 -> 44.3 with
-    32-key blocks; N = 17 (102 rows) keeps DEFAULT, 13.5 against 24.4;
-    attention_configs_h200_qwen36_27b.json)."""
+    32-key blocks; N = 17 (102 rows) keeps DEFAULT's 64-row blocks, 13.5 against 24.4;
+    attention_configs_h200_qwen36_27b.json), one program an SM where only one fits (MID_256,
+    LONG_256)."""
     long_tiles = element_bytes <= 2 and kv_len >= LONG_KV_MIN
     if head_dim > 128:
-        if rows <= 128:
+        if rows <= 32:
             return DEFAULT
+        if rows <= 128:
+            return MID_256
         if long_tiles:
             return LONG_256
         return replace(DEFAULT, block_m=32, programs_per_sm=4) if rows <= 512 else replace(DEFAULT, block_n=32)
@@ -300,7 +316,15 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
                      PRECISION=precision, LOOP_WHILE=_INTERPRETED, TMA=config.tma and prefix,
                      num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits > 1 and not fold:
+    if splits > 1 and not fold and config.combine_tiled:
+        combine_d = min(config.combine_block_d, d)
+        combine_m = max(1, min(16, config.combine_loads // (splits_p * combine_d)))
+        combine_m = 1 << (combine_m.bit_length() - 1)  # a power of two
+        combine_s = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
+        _combine_tiled_kernel[(triton.cdiv(batch * rows, combine_m), hkv, d // combine_d)](
+            part_o, part_ml, out, batch * rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
+            BLOCK_M=combine_m, BLOCK_D=combine_d, BLOCK_S=combine_s, num_warps=4)
+    elif splits > 1 and not fold:
         combine_m, combine_d = 16, min(config.combine_block_d, d)
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
         _combine_kernel[(triton.cdiv(batch * rows, combine_m), hkv, d // combine_d)](
@@ -526,3 +550,46 @@ if triton is not None:
         dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, dims, h,
                  tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE)
+
+    @triton.jit
+    def _combine_tiled_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, GROUP: tl.constexpr,
+                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        """Program (row block, KV head, head-dim chunk): the combine (`_combine`'s result) from
+        [BLOCK_S, BLOCK_M, BLOCK_D] tiles of the partial sums, BLOCK_S splits a step (one step
+        where that covers them all): a pass for the rows' largest running max, then one that sums
+        the weighted partials over the split axis. Every tile keeps the 3-D layout, so no step
+        waits on a layout change."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.program_id(1)
+        kv_heads = tl.num_programs(1)
+        dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        live = r < rows
+        si = tl.arange(0, BLOCK_S)
+        top = tl.full([1, BLOCK_M, 1], float("-inf"), tl.float32)
+        first = 0
+        while first < splits:  # runs once where BLOCK_S covers every split
+            sp = first + si
+            at = (sp[:, None, None] * kv_heads + h) * rows + r[None, :, None]  # [BLOCK_S, BLOCK_M, 1]
+            ok = (sp[:, None, None] < splits) & live[None, :, None]
+            m = tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            top = tl.maximum(top, tl.max(m, 0, keep_dims=True))
+            first += BLOCK_S
+        top = tl.where(top == float("-inf"), 0.0, top)  # rows that saw no key: zeros below
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        total = tl.zeros([BLOCK_M, 1], tl.float32)
+        first = 0
+        while first < splits:
+            sp = first + si
+            at = (sp[:, None, None] * kv_heads + h) * rows + r[None, :, None]
+            ok = (sp[:, None, None] < splits) & live[None, :, None]
+            w = tl.exp2(tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
+            sums = tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o = tl.load(part_o_ptr + at * D + dims[None, None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            total += tl.sum(w * sums, 0)
+            acc += tl.sum(w * o, 0)
+            first += BLOCK_S
+        out = acc / tl.where(live[:, None] & (total > 0), total, 1.0)
+        tok, head = r // GROUP, h * GROUP + r % GROUP
+        tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
