@@ -6,8 +6,9 @@ partial sums are many, the combine), per layer, as a verify sees them: one call 
         [--layers 16] [--variants default,pps1,pps2,pps4,tiled]
 
 Variants of each shape's own tiling (`tree_attention.tiling`): `default` as it is, `ppsK` with K
-programs per SM (the key splits follow), `tiled` with the combine launch's tiled form
-(`AttentionConfig.combine_tiled`). Trees as benchmarks/attention_configs.py makes them. GPU only.
+programs per SM (the key splits follow), `tiled` / `split` with the combine launch's tiled or
+split-at-a-time form forced (`AttentionConfig.combine_tiled`; by default tiled only for one
+token). Trees as benchmarks/attention_configs.py makes them. GPU only.
 """
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ BUCKET = 256
 def variant(config, name: str):
     if name == "default":
         return config
-    if name == "tiled":
-        return replace(config, combine_tiled=True)
+    if name in ("tiled", "split"):
+        return replace(config, combine_tiled=name == "tiled")
     if name.startswith("pps"):
         return replace(config, programs_per_sm=int(name[3:]))
-    raise ValueError(f"unknown variant {name!r}: default, tiled or ppsK")
+    raise ValueError(f"unknown variant {name!r}: default, tiled, split or ppsK")
 
 
 def case(heads: tuple[int, int, int], context: int, n: int, layers: int, name: str, repeats: int = 5) -> dict:
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--context", default="8192", help="cached tokens before the tree, comma-separated")
     ap.add_argument("--tokens", default="1,17,65", help="tree sizes N")
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--variants", default="default,tiled")
+    ap.add_argument("--variants", default="default,tiled,split")
     args = ap.parse_args()
     heads = tuple(int(x) for x in args.heads.split(","))
     rows = []

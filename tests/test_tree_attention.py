@@ -92,13 +92,14 @@ def test_prefix_form_equals_dense_mask(n, hq, hkv, d, context, kv_len, splits, b
 
 
 @pytest.mark.parametrize("fold,block_d,tiled", [(True, 32, False), (False, 32, False), (False, 8, False),
-                                                (False, 16, True), (False, 8, True)])
+                                                (False, 16, True), (False, 8, True), (False, 32, None)])
 @pytest.mark.parametrize("splits", [2, 5, 9])
 @pytest.mark.parametrize("loads", [256, 8192])  # 1 split per load group at 256 (16 rows x 16 dims)
 def test_split_combine_in_kernel_or_launched(fold, block_d, tiled, splits, loads):
     """The split combine done by each row block's last split (default) or as its own launch (whole
     head dims per program, or in chunks of 8; split by split, or as [splits, rows, dims] tiles: at
-    256 loads in several split steps and rows spread over programs), over split counts around the
+    256 loads in several split steps and rows spread over programs; None: tiled, as one 16-row
+    block holds these 12 rows), over split counts around the
     combine's grouped loads; repeated calls find the arrival counters zeroed."""
     n, hq, hkv, d, context, kv_len = 6, 4, 2, 16, 300, 320
     mask = tree_mask(n, context, kv_len, seed=2).to(DEVICE)

@@ -105,11 +105,14 @@ class AttentionConfig:
     # 1-2% faster for 1 and 17 tokens and 3-10% slower for 65 and 257 (benchmarks/README.md).
     tma: bool = False
     # The combine launch reads its rows' partial sums as [splits, rows, dims] tiles, every split at
-    # once where `combine_loads` allows, and sums over the splits in registers. The split-at-a-time
-    # loop took about 0.45 us a split: one token at Qwen3.6-27B heads over 8192 keys, 66 splits,
-    # 29.8 us against the attention's 14.4 (the per-split weight's layout change, a barrier each,
-    # kept the loads from overlapping). Off until timed on a GPU.
-    combine_tiled: bool = False
+    # once where `combine_loads` allows, and sums over the splits in registers, instead of a split
+    # at a time (about 0.45 us a split: the per-split weight's layout change, a barrier each, kept
+    # the loads from overlapping). None: tiled where one 16-row block holds the launch's rows (an
+    # autoregressive step). H200, us a layer, split-at-a-time -> tiled: one token over 8192 keys at
+    # Qwen3.6-27B heads (66 splits) 29.6 -> 3.1, over 32768 at Qwen3-8B's (33) 15.6 -> 3.1; but
+    # 17 / 65 tokens at 27B heads 5.8 -> 6.7 / 3.9 -> 7.0, 65 / 257 at 8B's 7.3 -> 13.5 / 9.2 -> 16.0
+    # (fewer splits, more rows; attention_profile_h200_*_tilings.json).
+    combine_tiled: bool | None = None
 
 
 DEFAULT = AttentionConfig()
@@ -316,7 +319,8 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
                      PRECISION=precision, LOOP_WHILE=_INTERPRETED, TMA=config.tma and prefix,
                      num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits > 1 and not fold and config.combine_tiled:
+    tiled = config.combine_tiled if config.combine_tiled is not None else batch * rows <= 16
+    if splits > 1 and not fold and tiled:
         combine_d = min(config.combine_block_d, d)
         combine_m = max(1, min(16, config.combine_loads // (splits_p * combine_d)))
         combine_m = 1 << (combine_m.bit_length() - 1)  # a power of two
