@@ -2,13 +2,15 @@
 verify for each budget, and the target's matmuls alone at each row count.
 
 Usage: python -m benchmarks.verify_profile OUTPUT.json [--shape qwen3.6-27b] [--budgets chain,64]
-       [--prompt-len 512] [--rows 1,16,17,32,64,65,128]
+       [--prompt-len 512] [--rows 1,16,17,32,64,65,128] [--phases draft,build,walk_commit]
 
 For each budget: the verify replayed as a CUDA graph (median ms), then run eagerly under
 torch.profiler, its kernels summed by name (device microseconds per verify, largest first). Then,
 for each distinct weight shape of the target's linear layers, F.linear over `rows` rows timed alone
 (CUDA events, median of 20) and summed over the layers that have that shape: how much of a verify
 the matmuls alone cost at each tree size, against the weights' bytes over the copy bandwidth.
+`--phases` profiles the round's other phases the same way (`Engine.round_phases`: "draft",
+"build", "walk_commit"; the last commits a round each run, so it runs last).
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="chain,64")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rows", default="1,16,17,32,64,65,128")
+    ap.add_argument("--phases", default="", help="other round phases to profile, comma-separated")
     args = ap.parse_args()
     torch.manual_seed(0)
     ceilings = measure_ceilings(torch.device("cuda"))
@@ -98,15 +101,25 @@ def main() -> None:
         gen = engine.generate(prompt, SamplingParams(max_tokens=10**6, ignore_eos=True), budget)
         next(gen)
         next(gen)  # one round: the budget's graphs and buffers exist, the state is mid-sequence
-        verify = engine.round_phases(budget)["verify"]
+        phases = engine.round_phases(budget)
+        verify = phases["verify"]
         graph_ms = time_graph(engine, verify)
         kernels = kernel_table(verify)
-        gen.close()
-        result["budgets"][label] = {"nodes": budget.nodes(16), "verify_graph_ms": graph_ms,
-                                    "eager_kernel_ms": sum(k["us_per_call"] for k in kernels) / 1000, "kernels": kernels}
+        entry = {"nodes": budget.nodes(16), "verify_graph_ms": graph_ms,
+                 "eager_kernel_ms": sum(k["us_per_call"] for k in kernels) / 1000, "kernels": kernels, "phases": {}}
         print(f"{label}: verify {graph_ms:.2f} ms as a graph", flush=True)
         for k in kernels[:25]:
             print(f"  {k['us_per_call']:9.1f} us  x{k['launches_per_call']:5.1f}  {k['kernel'][:110]}", flush=True)
+        wanted = [p for p in ("draft", "build", "walk_commit") if p in args.phases.split(",") and p in phases]
+        for phase in wanted:  # walk_commit last: it commits a round each run
+            table = kernel_table(phases[phase])
+            entry["phases"][phase] = {"eager_kernel_ms": sum(k["us_per_call"] for k in table) / 1000,
+                                      "kernels": table}
+            print(f"{label}: {phase} {entry['phases'][phase]['eager_kernel_ms']:.3f} ms of kernels", flush=True)
+            for k in table[:15]:
+                print(f"  {k['us_per_call']:9.1f} us  x{k['launches_per_call']:5.1f}  {k['kernel'][:110]}", flush=True)
+        gen.close()
+        result["budgets"][label] = entry
     result["linear"] = linear_times(target, [int(m) for m in args.rows.split(",")])
     print("matmuls alone, ms per forward:", result["linear"]["total_ms"], f"(weights / bandwidth {result['weights_floor_ms']:.2f} ms)")
     for entry in result["linear"]["per_shape_us"]:
