@@ -49,6 +49,11 @@ TREE_SWEEP = {
     "c32_w4_s3": TreeConfig(num_stages=3),
     "c32_w4_r128_s3": TreeConfig(prepare_registers=128, num_stages=3),
     "c32_w4_r128_s4": TreeConfig(prepare_registers=128, num_stages=4),
+    # Wider key slices under the register cap (128 registers, no local memory at Qwen3.6-27B's heads
+    # compiled for sm_90; uncapped they took 241 and 254).
+    "c32_w4_r128_s3_k32": TreeConfig(prepare_registers=128, num_stages=3, block_k=32),
+    "c32_w4_r128_s3_k64": TreeConfig(prepare_registers=128, num_stages=3, block_k=64),
+    "c32_w4_s3_k32": TreeConfig(num_stages=3, block_k=32),
     "c64_w4": TreeConfig(block_c=64),
     "c32_w8": TreeConfig(num_warps=8),
     "c64_w8": TreeConfig(block_c=64, num_warps=8),
