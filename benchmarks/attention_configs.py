@@ -2,7 +2,7 @@
 heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch's masked
 attention, for the token counts of a round.
 
-    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|tma|none]
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|tma|onewave|none]
         [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--output FILE.json]
 
 For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
@@ -16,7 +16,9 @@ tries 72 tilings (at head_dim 256 with 32- and 64-key blocks, else 64 and 128); 
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own
 (its programs over 16, 32 or 64 head dims each), at 1, 2 and 4 programs per SM, loading 8192 or
 32768 partial-sum elements at once; `--sweep tma` each shape's own tiling with the prefix's keys and
-values read through tensor descriptors (`tma`) and without.
+values read through tensor descriptors (`tma`) and without; `--sweep onewave` one program an SM
+(the key splits fill one wave) with 16-64 / 64 / 128-row blocks, 32- and 64-key blocks, 4 and 8
+warps.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def main() -> None:
     global HQ, HKV, D, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
-    ap.add_argument("--sweep", choices=("tilings", "combine", "long", "tma", "none"), default="tilings")
+    ap.add_argument("--sweep", choices=("tilings", "combine", "long", "tma", "onewave", "none"), default="tilings")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
     ap.add_argument("--context", default=str(CONTEXT), help="cached tokens before the tree, comma-separated")
     ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
@@ -99,6 +101,9 @@ def main() -> None:
                    for p, loads in itertools.product((1, 2, 4), (8192, 32768))]
         configs += [AttentionConfig(programs_per_sm=p, fold_combine=False, combine_loads=loads, combine_block_d=bd)
                     for p, loads, bd in itertools.product((1, 2, 4), (8192, 32768), (16, 32, 64))]
+    elif args.sweep == "onewave":  # one program an SM: row blocks, warps and key blocks
+        configs = [AttentionConfig(block_m=m, block_n=bn, programs_per_sm=1, num_warps=w, num_stages=2)
+                   for m, bn, w in itertools.product((0, 64, 128), (32, 64), (4, 8))]
     elif args.sweep == "long":  # where the LONG tiling starts to pay
         configs = [DEFAULT] + [replace(LONG, programs_per_sm=p) for p in (1, 2, 4)]
     else:
