@@ -2,7 +2,7 @@
 heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch's masked
 attention, for the token counts of a round.
 
-    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|tma|onewave|none]
+    python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|onewave|none]
         [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--output FILE.json]
 
 For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
@@ -15,10 +15,8 @@ bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tiling
 tries 72 tilings (at head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own
 (its programs over 16, 32 or 64 head dims each), at 1, 2 and 4 programs per SM, loading 8192 or
-32768 partial-sum elements at once; `--sweep tma` each shape's own tiling with the prefix's keys and
-values read through tensor descriptors (`tma`) and without; `--sweep onewave` one program an SM
-(the key splits fill one wave) with 16-64 / 64 / 128-row blocks, 32- and 64-key blocks, 4 and 8
-warps.
+32768 partial-sum elements at once; `--sweep onewave` one program an SM (the key splits fill one
+wave) with 16-64 / 64 / 128-row blocks, 32- and 64-key blocks, 4 and 8 warps.
 """
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import DEFAULT, LONG, AttentionConfig, masked_attention, prefix_block_mask, tiling
+from ddtree.kernels.tree_attention import DEFAULT, LONG, AttentionConfig, masked_attention, prefix_block_mask
 from ddtree.tree import build_tree
 
 CONTEXT, BUCKET, HQ, HKV, D = 512, 256, 32, 8, 128
@@ -82,7 +80,7 @@ def main() -> None:
     global HQ, HKV, D, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="1,17,65,129,257,513,1025")
-    ap.add_argument("--sweep", choices=("tilings", "combine", "long", "tma", "onewave", "none"), default="tilings")
+    ap.add_argument("--sweep", choices=("tilings", "combine", "long", "onewave", "none"), default="tilings")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
     ap.add_argument("--context", default=str(CONTEXT), help="cached tokens before the tree, comma-separated")
     ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
@@ -112,9 +110,6 @@ def main() -> None:
     ceilings = measure_ceilings(torch.device("cuda"))
     for CONTEXT, n in itertools.product(map(int, args.context.split(",")), map(int, args.tokens.split(","))):
         q, k, v, block, prefix = case(n)
-        if args.sweep == "tma":  # this shape's own tiling, the prefix read through tensor descriptors or not
-            own = tiling(n * (HQ // HKV), k.shape[0], D)
-            configs = [replace(own, tma=False), replace(own, tma=True)]
         row = {"context": CONTEXT, "tokens": n, "kv_len": k.shape[0], "floor_us": floor_us(n, k.shape[0], ceilings),
                "sdpa_us": None if args.no_sdpa else sdpa_us(q, k, v, block, prefix),
                "default_us": call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix)),

@@ -54,6 +54,7 @@ TREE_SWEEP = {
     "c32_w4_r128_s3_k32": TreeConfig(prepare_registers=128, num_stages=3, block_k=32),
     "c32_w4_r128_s3_k64": TreeConfig(prepare_registers=128, num_stages=3, block_k=64),
     "c32_w4_s3_k32": TreeConfig(num_stages=3, block_k=32),
+    "c32_w4_r128_s3_root": TreeConfig(prepare_registers=128, num_stages=3, root_first=True),
     "c64_w4": TreeConfig(block_c=64),
     "c32_w8": TreeConfig(num_warps=8),
     "c64_w8": TreeConfig(block_c=64, num_warps=8),

@@ -36,8 +36,10 @@ Exact attention (online softmax in float32); it differs from PyTorch's only in s
 Tried and not kept: the prefix's key and value tiles through Hopper's TMA (tensor descriptors),
 with and without Triton's warp specialisation of the loop: 5-10% slower than these loads at
 Qwen3-8B heads over 32k keys (N = 17, 65, 257; attention_configs_h200_tma_8b.json), and the warp-
-specialised loop did not compile at head_dim 256. And a tree's last few query rows ((B + 1) x
-group rows leave `group` past whole 128-row blocks: 4 of 260 at Qwen3-8B heads and N = 65, 6 of
+specialised loop did not compile at head_dim 256; made on the device in the unmasked prefix loop
+again later, 3-10% slower at 65 and 257 tokens and within 2% at 1 and 17
+(attention_configs_h200_tma_{32_8_128_32768,24_4_256_8192}.json). And a tree's last few query
+rows ((B + 1) x group rows leave `group` past whole 128-row blocks: 4 of 260 at Qwen3-8B heads and N = 65, 6 of
 390 at Qwen3.6-27B's) riding in a 16-row tile with the first block's programs, on its key tiles,
 instead of a block of their own: 1.36-1.43x slower where it applied (H200, us per layer: 27B heads
 over 8192 keys, N = 65 64.3 -> 91.9, N = 257 143.0 -> 207.8; 8B heads over 32k keys, N = 65
@@ -100,10 +102,6 @@ class AttentionConfig:
     # 8192 keys (6 rows, 66 splits) 4 programs of 33 dependent loads each: 40.8 us a layer, against
     # 14.5 for the attention itself (verify_profile_h200_qwen36_27b_8192.json).
     combine_block_d: int = 32
-    # The prefix's key and value tiles (the unmasked loop, most of a long context) loaded through
-    # tensor descriptors (TMA on sm_90+) instead of per-element addresses. Off: on an H200 it was
-    # 1-2% faster for 1 and 17 tokens and 3-10% slower for 65 and 257 (benchmarks/README.md).
-    tma: bool = False
     # The combine launch reads its rows' partial sums as [splits, rows, dims] tiles, every split at
     # once where `combine_loads` allows, and sums over the splits in registers, instead of a split
     # at a time (about 0.45 us a split: the per-split weight's layout change, a barrier each, kept
@@ -173,19 +171,6 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's scratch for descriptors made on the device, from torch's allocator (a graph
-    capture's pool while capturing), on the device Triton launches on (the current one)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def _descriptor_scratch() -> None:
-    """Tensor descriptors made on the device (`AttentionConfig.tma`) live in scratch memory that
-    Triton asks its allocator for at each launch; it has none until one is set."""
-    triton.set_allocator(_scratch)
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:
@@ -309,57 +294,58 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     splits_p = triton.next_power_of_2(splits)
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
     batched = first_slot is not None
-    if config.tma and prefix:
-        _descriptor_scratch()
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
                      keys_per_split, splits, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1),
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold, PREFIX=prefix,
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
-                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, TMA=config.tma and prefix,
-                     num_warps=config.num_warps, num_stages=config.num_stages)
-    tiled = config.combine_tiled if config.combine_tiled is not None else batch * rows <= 16
-    if splits > 1 and not fold and tiled:
-        combine_d = min(config.combine_block_d, d)
+                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
+    if splits > 1 and not fold:
+        _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config)
+    return out.view(n, hq * d)
+
+
+def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int, splits: int,
+                    config: AttentionConfig) -> None:
+    """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
+    where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
+    split at a time. Programs (row block, KV head, head-dim chunk)."""
+    combine_d = min(config.combine_block_d, d)
+    splits_p = triton.next_power_of_2(splits)
+    tiled = config.combine_tiled if config.combine_tiled is not None else rows <= 16
+    if tiled:  # as few rows a program as let every split in at once, within combine_loads
         combine_m = max(1, min(16, config.combine_loads // (splits_p * combine_d)))
         combine_m = 1 << (combine_m.bit_length() - 1)  # a power of two
         combine_s = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
-        _combine_tiled_kernel[(triton.cdiv(batch * rows, combine_m), hkv, d // combine_d)](
-            part_o, part_ml, out, batch * rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
+        _combine_tiled_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
+            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
             BLOCK_M=combine_m, BLOCK_D=combine_d, BLOCK_S=combine_s, num_warps=4)
-    elif splits > 1 and not fold:
-        combine_m, combine_d = 16, min(config.combine_block_d, d)
+    else:
+        combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
-        _combine_kernel[(triton.cdiv(batch * rows, combine_m), hkv, d // combine_d)](
-            part_o, part_ml, out, batch * rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
+        _combine_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
+            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
             BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED,
             num_warps=4)
-    return out.view(n, hq * d)
 
 
 if triton is not None:
 
     @triton.jit
-    def _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h, sv_t, sv_h,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    def _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h, sv_t, sv_h,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         """Keys [j, j + BLOCK_N), all inside the prefix every row sees, into m_i, l_i, acc: no bounds,
-        no mask and no empty-row guard (the FlashAttention inner loop; most of a long context).
-        k_src, v_src: the caches' pointers, or (TMA) KV head h's tensor descriptors."""
-        if TMA:
-            k = k_src.load([j, 0])
-        else:
-            cols = j + tl.arange(0, BLOCK_N)
-            k = tl.load(k_src + cols[:, None] * sk_t + h * sk_h + dims[None, :])
+        no mask and no empty-row guard (the FlashAttention inner loop; most of a long context)."""
+        cols = j + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptr + cols[:, None] * sk_t + h * sk_h + dims[None, :])
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         p = tl.exp2(logits - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_src.load([j, 0])
-        else:
-            v = tl.load(v_src + cols[:, None] * sv_t + h * sv_h + dims[None, :])
+        v = tl.load(v_ptr + cols[:, None] * sv_t + h * sv_h + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
@@ -397,8 +383,7 @@ if triton is not None:
                    rows, kv_len, keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h,
                    sm_n, so_n, so_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, BATCHED: tl.constexpr,
-                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
-                   TMA: tl.constexpr):
+                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
@@ -443,24 +428,16 @@ if triton is not None:
         end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
         if PREFIX:  # whole key blocks of the prefix first, with no mask; the rest below, masked
             seen_end = tl.minimum(end, (prefix_len // BLOCK_N) * BLOCK_N)
-            if TMA:  # KV head h's keys and values as [kv_len, D] tensors, read in [BLOCK_N, D] boxes
-                k_src = tl.make_tensor_descriptor(k_ptr + h * sk_h, shape=[kv_len, D], strides=[sk_t, 1],
-                                                  block_shape=[BLOCK_N, D])
-                v_src = tl.make_tensor_descriptor(v_ptr + h * sv_h, shape=[kv_len, D], strides=[sv_t, 1],
-                                                  block_shape=[BLOCK_N, D])
-            else:
-                k_src = k_ptr
-                v_src = v_ptr
             if LOOP_WHILE:
                 j = start
                 while j < seen_end:
-                    m_i, l_i, acc = _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
-                                               sv_t, sv_h, BLOCK_N, PRECISION, TMA)
+                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION)
                     j += BLOCK_N
             else:
                 for j in range(start, seen_end, BLOCK_N):
-                    m_i, l_i, acc = _step_seen(q, k_src, v_src, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
-                                               sv_t, sv_h, BLOCK_N, PRECISION, TMA)
+                    m_i, l_i, acc = _step_seen(q, k_ptr, v_ptr, dims, j, h, m_i, l_i, acc, scale_log2, sk_t, sk_h,
+                                               sv_t, sv_h, BLOCK_N, PRECISION)
             start = tl.maximum(start, seen_end)
         if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
             j = start
@@ -556,6 +533,15 @@ if triton is not None:
                  tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE)
 
     @triton.jit
+    def _split_tile(first, splits, kv_heads, h, rows, r, live, BLOCK_S: tl.constexpr):
+        """Splits [first, first + BLOCK_S) of rows r (KV head h): each entry's index into the
+        partials' [splits, KV heads, rows] layout, and which are real -> two [BLOCK_S, BLOCK_M, 1]."""
+        sp = first + tl.arange(0, BLOCK_S)
+        at = (sp[:, None, None] * kv_heads + h) * rows + r[None, :, None]
+        ok = (sp[:, None, None] < splits) & live[None, :, None]
+        return at, ok
+
+    @triton.jit
     def _combine_tiled_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, GROUP: tl.constexpr,
                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_S: tl.constexpr):
@@ -569,13 +555,10 @@ if triton is not None:
         kv_heads = tl.num_programs(1)
         dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = r < rows
-        si = tl.arange(0, BLOCK_S)
         top = tl.full([1, BLOCK_M, 1], float("-inf"), tl.float32)
         first = 0
         while first < splits:  # runs once where BLOCK_S covers every split
-            sp = first + si
-            at = (sp[:, None, None] * kv_heads + h) * rows + r[None, :, None]  # [BLOCK_S, BLOCK_M, 1]
-            ok = (sp[:, None, None] < splits) & live[None, :, None]
+            at, ok = _split_tile(first, splits, kv_heads, h, rows, r, live, BLOCK_S)
             m = tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
             top = tl.maximum(top, tl.max(m, 0, keep_dims=True))
             first += BLOCK_S
@@ -584,9 +567,7 @@ if triton is not None:
         total = tl.zeros([BLOCK_M, 1], tl.float32)
         first = 0
         while first < splits:
-            sp = first + si
-            at = (sp[:, None, None] * kv_heads + h) * rows + r[None, :, None]
-            ok = (sp[:, None, None] < splits) & live[None, :, None]
+            at, ok = _split_tile(first, splits, kv_heads, h, rows, r, live, BLOCK_S)
             w = tl.exp2(tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
             sums = tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
             o = tl.load(part_o_ptr + at * D + dims[None, None, :], mask=ok, other=0.0, cache_modifier=".cg")
