@@ -115,20 +115,20 @@ if os.environ.get(RECORD_ENV):
 
 # -- 2. compiling ------------------------------------------------------------------------------------------
 
-def resource_usage(cubin: bytes) -> str:
-    """'regs R local L' of a compiled kernel, read from its cubin with Triton's cuobjdump ('' where
-    that tool is missing)."""
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """{"registers": R, "local": L} (a thread's registers and local-memory bytes) of a compiled
+    kernel, read from its cubin with Triton's cuobjdump ({} where that tool is missing)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return ""
+        return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         report = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     fields = dict(item.split(":", 1) for line in report.splitlines() if "REG:" in line for item in line.split())
-    return f" regs {fields.get('REG', '?')} local {fields.get('LOCAL', '?')}" if fields else ""
+    return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"])} if "REG" in fields else {}
 
 
 def programs_per_sm(registers: int, shared: int, num_warps: int, shared_limit: int) -> int:
@@ -171,11 +171,11 @@ def compile_launches(path: Path, arch: int) -> int:
                   f"(inputs {sorted(set(t for t in launch['signature'].values() if t.startswith('*')))})")
         else:
             usage = resource_usage(compiled.asm["cubin"])
-            fit = ""
+            detail = f" regs {usage['registers']} local {usage['local']}" if usage else ""
             if usage and limit is not None:
-                registers = int(usage.split()[1]) if usage.split()[1].isdigit() else 0
-                fit = f" ({programs_per_sm(registers, shared, launch['options'].get('num_warps', 4), limit)} an SM)"
-            print(f"ok     {name} shared {shared}{usage}{fit}")
+                fits = programs_per_sm(usage["registers"], shared, launch["options"].get("num_warps", 4), limit)
+                detail += f" ({fits} an SM)"
+            print(f"ok     {name} shared {shared}{detail}")
     if over:
         print(f"{over} launch(es) over sm_{arch}'s shared memory: a GPU would refuse them")
     return failed
