@@ -35,7 +35,7 @@ from ddtree.bench.machine import git_revision, machine_info, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
 from ddtree.kernels import gdn_tree
-from ddtree.kernels.gdn_tree import RecurrentConfig, TreeConfig
+from ddtree.kernels.gdn_tree import FoldConfig, RecurrentConfig, TreeConfig
 from ddtree.models import gated_deltanet as ref
 from ddtree.tree import build_chain, build_tree
 
@@ -55,6 +55,9 @@ TREE_SWEEP = {
     "c32_w4_r128_s3_k64": TreeConfig(prepare_registers=128, num_stages=3, block_k=64),
     "c32_w4_s3_k32": TreeConfig(num_stages=3, block_k=32),
     "c32_w4_r128_s3_root": TreeConfig(prepare_registers=128, num_stages=3, root_first=True),
+    # `tree_config`'s tilings with one TF32 product, its choice for bf16 / fp16 values.
+    "c32_w4_s3_tf32": TreeConfig(num_stages=3, precision="tf32", solve_precision="tf32"),
+    "c32_w4_r128_s3_tf32": TreeConfig(prepare_registers=128, num_stages=3, precision="tf32", solve_precision="tf32"),
     "c64_w4": TreeConfig(block_c=64),
     "c32_w8": TreeConfig(num_warps=8),
     "c64_w8": TreeConfig(block_c=64, num_warps=8),
@@ -68,6 +71,11 @@ TREE_SWEEP = {
     "c32_w4_tf32": TreeConfig(precision="tf32", solve_precision="tf32"),  # to show TF32's error
 }
 RECURRENT_SWEEP = {f"v{v}_w{w}": RecurrentConfig(block_v=v, num_warps=w) for v in (8, 16, 32, 64) for w in (1, 2, 4)}
+# The commit's fold (`--fold`): [block_k, block_v] state tiles; k128_v16_w1 is the token loop's
+# tiling, which the fold had before FoldConfig.
+FOLD_SWEEP = {f"k{k}_v{v}_w{w}": FoldConfig(block_k=k, block_v=v, num_warps=w)
+              for k, v, w in [(128, 16, 1), (8, 128, 1), (16, 128, 2), (16, 128, 4), (32, 128, 4), (32, 128, 8),
+                              (64, 128, 4), (64, 128, 8), (32, 64, 2), (64, 64, 4)]}
 
 
 def tree_inputs(n: int, shape: str, seed: int = 0):
@@ -197,6 +205,36 @@ def recurrent_rows(steps, configs: dict, layers: int) -> list[dict]:
     return rows
 
 
+def fold_rows(configs: dict, layers: int, path: int = 16, nodes: int = 65) -> list[dict]:
+    """`fold_path` (one launch for every layer's state) along a path of `path` nodes of a
+    `nodes`-node stash, all of it accepted and 5 nodes of it, against the PyTorch fold."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.nn.functional.normalize(torch.randn(layers, nodes, HK, D, generator=gen), dim=-1)
+    u = 0.1 * torch.randn(layers, HV, nodes, D, generator=gen)
+    G = -torch.rand(layers, nodes, HV, generator=gen).cumsum(1) * 0.1
+    order = torch.randperm(nodes, generator=gen)[:path]
+    k, u, G, order = (t.cuda() for t in (k, u, G, order))
+    rows = []
+    for accepted in (path, 5):
+        length = torch.tensor(accepted, device="cuda")
+        s = states(layers)
+        row = {"kernel": "fold", "tokens": path, "length": accepted, "state_MiB": s.numel() * 4 / 2**20,
+               "reference_us": replay_us(lambda: ref.fold_path(s, k, u, G, order, length), 1)}
+        for name, config in configs.items():
+            try:
+                got, want = s.clone(), s.clone()  # s as the timing replays have left it
+                gdn_tree.fold_path(got, k, u, G, order, length, config)
+                ref.fold_path(want, k, u, G, order, length)
+                row[f"{name}_err"] = rel_error(got, want)
+                row[f"{name}_us"] = replay_us(lambda: gdn_tree.fold_path(s, k, u, G, order, length, config), 1)
+                row[f"{name}_GBps"] = 2 * s.numel() * 4 / row[f"{name}_us"] / 1e3
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print_row(row, configs)
+    return rows
+
+
 def print_row(row: dict, configs: dict) -> None:
     head = f"{row['kernel']:>9} N={row['tokens']:<4}" + (f" len={row['length']:<3}" if "length" in row else " " * 8)
     cells = [f"ref {row['reference_us']:8.1f}"]
@@ -218,6 +256,7 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="with --sweep: only these tilings, comma-separated")
     ap.add_argument("--jobs", type=int, default=0, help="compile the tilings in this many processes first")
     ap.add_argument("--breakdown", action="store_true", help="also time each tree launch alone")
+    ap.add_argument("--fold", action="store_true", help="also time the commit's fold over FOLD_SWEEP's tilings")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     sizes = [int(x) for x in args.tokens.split(",")]
@@ -243,6 +282,8 @@ def main() -> None:
         if args.breakdown:
             rows += breakdown_rows(sizes, tree_configs, args.layers, args.tree_shape)
         rows += recurrent_rows(steps, rec_configs, args.layers)
+        if args.fold:
+            rows += fold_rows(FOLD_SWEEP, args.layers)
     result = {
         "benchmark": "gdn_kernels",
         "command": "python " + " ".join(sys.argv),

@@ -2,12 +2,17 @@
 pays in its matmuls over one of a single token (they read the same weights).
 
     python -m benchmarks.gemm_tokens OUTPUT.json [--tokens 1,16,17,48,64,65,72,80,96,128] [--tunableop]
+        [--blas cublas,cublaslt]
 
 Each shape is `F.linear(x [M, K], W [N, K])`, 64 calls over 8 weight copies (no L2 reuse) in one
 CUDA graph, timed as the median of 5 replays; the weights' bytes over that time are the rate.
 With --tunableop each shape is timed again with PyTorch's TunableOp on (`torch.cuda.tunable`):
 its first calls, before the capture, time every cuBLAS / cuBLASLt algorithm for that shape and
 keep the fastest, which the capture then records ("tuned_us"; its choices under "tunableop_results").
+On CUDA builds TunableOp has only cuBLAS's default solution, so "tuned_us" measures its overhead.
+--blas times every shape under each library PyTorch can route a bf16 matmul through
+(`torch.backends.cuda.preferred_blas_library`): cuBLAS's gemm and cuBLASLt's heuristic choice
+pick different kernels for the same skinny shape.
 """
 from __future__ import annotations
 
@@ -43,22 +48,29 @@ def main() -> None:
     p.add_argument("output")
     p.add_argument("--tokens", default="1,16,17,48,64,65,72,80,96,128")
     p.add_argument("--tunableop", action="store_true", help="also time each shape with TunableOp's choice")
+    p.add_argument("--blas", default=None, help="libraries to time each shape under, comma-separated: cublas, cublaslt")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    libraries = args.blas.split(",") if args.blas else [None]
     rows = []
-    for name, (k, n) in SHAPES.items():
-        for m in tokens:
-            us = time_linear(k, n, m)
-            rows.append({"shape": name, "K": k, "N": n, "tokens": m, "us": us, "weight_GBps": k * n * 2 / us / 1e3})
-            tuned = ""
-            if args.tunableop:
-                rows[-1]["tuned_us"] = time_linear(k, n, m, tuned=True)
-                tuned = f"  tuned {rows[-1]['tuned_us']:8.1f} us (x{us / rows[-1]['tuned_us']:.2f})"
-            print(f"{name:9s} K={k:5d} N={n:5d} M={m:4d} {us:8.1f} us {rows[-1]['weight_GBps']:7.0f} GB/s{tuned}",
-                  flush=True)
-        torch.cuda.empty_cache()
+    for library in libraries:
+        if library is not None:
+            torch.backends.cuda.preferred_blas_library(library)
+        for name, (k, n) in SHAPES.items():
+            for m in tokens:
+                us = time_linear(k, n, m)
+                rows.append({"shape": name, "K": k, "N": n, "tokens": m, "us": us, "weight_GBps": k * n * 2 / us / 1e3})
+                if library is not None:
+                    rows[-1]["blas"] = library
+                tuned = ""
+                if args.tunableop:
+                    rows[-1]["tuned_us"] = time_linear(k, n, m, tuned=True)
+                    tuned = f"  tuned {rows[-1]['tuned_us']:8.1f} us (x{us / rows[-1]['tuned_us']:.2f})"
+                print(f"{library or '':8s} {name:9s} K={k:5d} N={n:5d} M={m:4d} {us:8.1f} us "
+                      f"{rows[-1]['weight_GBps']:7.0f} GB/s{tuned}", flush=True)
+            torch.cuda.empty_cache()
     out = {"benchmark": "gemm_tokens", "command": f"python -m benchmarks.gemm_tokens {args.output} --tokens {args.tokens}"
-           + (" --tunableop" if args.tunableop else ""),
+           + (" --tunableop" if args.tunableop else "") + (f" --blas {args.blas}" if args.blas else ""),
            "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}
     if args.tunableop:
         out["tunableop_results"] = [list(map(str, r)) for r in torch.cuda.tunable.get_results()]

@@ -195,11 +195,15 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--shape", choices=["qwen3-8b", "qwen3.6-27b"], default="qwen3-8b")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per forward of a long prefill")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="the library PyTorch routes the matmuls through (torch.backends.cuda.preferred_blas_library)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.rounds <= WARMUP_ROUNDS:
         ap.error(f"--rounds must be above {WARMUP_ROUNDS}: the first {WARMUP_ROUNDS} rounds are warm-up, not timed")
     device = torch.device("cuda")
+    if args.blas is not None:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
     prompt_lens = [int(x) for x in args.prompt_len.split(",")]

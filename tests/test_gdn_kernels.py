@@ -12,12 +12,14 @@ also at Qwen3.6-27B's GDN heads (Hk 16, Hv 48, D 128) and inside a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
 from ddtree.kernels.gdn_tree import (  # noqa: E402
-    RecurrentConfig, TreeConfig, recurrent_gated_delta, supported, tree_config, tree_gated_delta)
+    FoldConfig, RecurrentConfig, TreeConfig, recurrent_gated_delta, supported, tree_config, tree_gated_delta)
 from ddtree.models import gated_deltanet as ref  # noqa: E402
 from ddtree.tree import build_chain, build_tree  # noqa: E402
 
@@ -250,6 +252,9 @@ def test_supported():
     # per size: a third pipeline stage throughout, the prepare launch's register cap above 32 nodes
     assert tree_config(17).prepare_registers is None and tree_config(17).num_stages == 3
     assert tree_config(33).prepare_registers == 128 and tree_config(1025).num_stages == 3
+    assert tree_config(65).precision == tree_config(65).solve_precision == "tf32x3"
+    assert tree_config(65, torch.bfloat16).precision == tree_config(17, torch.float16).solve_precision == "tf32"
+    assert tree_config(65, torch.bfloat16).prepare_registers == 128
 
 
 # GPU: Qwen3.6-27B's GDN layers (Hk 16, Hv 48, Dk = Dv = 128), the default tilings.
@@ -262,8 +267,13 @@ REAL = dict(hk=16, hv=48, dk=128, dv=128)
 def test_tree_real_shapes(n, dtype):
     mask = chain_mask(n) if n == 16 else tree_mask(n, seed=n, temperature=8.0)
     q, k, v, g, beta, state = inputs(n, **REAL, seed=n, dtype=dtype)
-    got = tree_gated_delta(q, k, v, g, beta, mask, state)
-    assert_matches(got, path_oracle(q, k, v, g, beta, mask, state))
+    want = path_oracle(q, k, v, g, beta, mask, state)
+    # float32 values: three TF32 products; bf16 values: one by default (1e-3 of the scale, under
+    # bf16's rounding step), three when asked for.
+    assert_matches(tree_gated_delta(q, k, v, g, beta, mask, state), want, 1e-4 if dtype == torch.float32 else 2e-3)
+    if dtype != torch.float32 and n > 1:
+        accurate = replace(tree_config(n, dtype), precision="tf32x3", solve_precision="tf32x3")
+        assert_matches(tree_gated_delta(q, k, v, g, beta, mask, state, accurate), want)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -361,11 +371,13 @@ def test_fold_equals_the_token_loop_along_the_path(length):
     folded = states.clone()
     ref.fold_path(folded, k_stash, u_stash, g_stash, order, length_t)
     torch.testing.assert_close(folded, expected, atol=2e-5, rtol=2e-5)
-    kernel = states.clone()
-    fold_path(kernel, k_stash, u_stash, g_stash, order, length_t)
-    torch.testing.assert_close(kernel, expected, atol=2e-5, rtol=2e-5)
-    if length == 0:
-        assert torch.equal(folded, states) and torch.equal(kernel, states)
+    # The default tiling (one tile of these small states) and tiles over both state dimensions.
+    for config in (None, FoldConfig(block_k=8, block_v=16, num_warps=1)):
+        kernel = states.clone()
+        fold_path(kernel, k_stash, u_stash, g_stash, order, length_t, config)
+        torch.testing.assert_close(kernel, expected, atol=2e-5, rtol=2e-5)
+        if length == 0:
+            assert torch.equal(folded, states) and torch.equal(kernel, states)
 
 
 @pytest.mark.parametrize("root_first", [False, True])

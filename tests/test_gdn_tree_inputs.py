@@ -150,6 +150,31 @@ def test_tree_conv_kernel_equals_the_materialised_conv(dtype):
         assert torch.equal(stash, x["mixed"])
 
 
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 5])
+def test_commit_windows_kernel_keeps_the_last_inputs(length):
+    """`kernels.tree_conv.commit_windows` (on the CPU in Triton's interpreter): every layer's window
+    becomes the last K - 1 rows of [window; the stash's rows along the path's first `length`
+    nodes], exactly (rows are moved, not computed), in a stash wider than its channels, with stale
+    path entries past `length`; a length of 0 leaves the windows bit for bit."""
+    pytest.importorskip("triton")
+    from ddtree.kernels import tree_conv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(70 + length)
+    layers, nodes, channels = 3, 12, 1100  # two channel blocks, the second partial
+    windows = torch.randn(layers, K - 1, channels, generator=gen).bfloat16().to(device)
+    stash = torch.randn(layers, nodes, channels + 5, generator=gen).bfloat16().to(device)[:, :, :channels]
+    order = torch.tensor([0, 4, 9, 10, 11, 3, 2], device=device)
+    padded = torch.cat([windows, stash[:, order[:length]]], dim=1)
+    want = padded[:, padded.shape[1] - (K - 1):]
+    got = windows.clone()
+    assert tree_conv.commit_windows_supported(got, stash)
+    tree_conv.commit_windows(got, stash, order, torch.tensor(length, device=device))
+    assert torch.equal(got, want)
+    if length == 0:
+        assert torch.equal(got, windows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inputs_kernel_equals_gdn_tree_inputs(dtype):
     """`kernels.tree_gdn_inputs` (on the CPU in Triton's interpreter) gives what

@@ -40,7 +40,10 @@ Numerics: float32 throughout. `tl.dot` on float32 is TF32 by default on NVIDIA G
 mantissas: errors of 7e-4 to 1e-3 of the outputs' scale, measured at the real shapes); the tree
 kernels use `TreeConfig.precision`, "tf32x3" (three TF32 products) by default or "ieee"
 (CUDA-core FMAs): under 6e-7 and 3e-7 measured at Qwen3.6-27B's heads on an H200, as the float32
-reference. Decays are exponentials of differences of G (never exp(-G) alone, which overflows).
+reference. `tree_config` gives bf16 / fp16 values one TF32 product (`TWO_BYTE_PRECISION`): its
+1e-3 is under the rounding such a model applies to o next (the gated norm takes it in the model's
+dtype). The token loop and the fold are CUDA-core FMAs in float32 at every dtype. Decays are
+exponentials of differences of G (never exp(-G) alone, which overflows).
 
 Both are CUDA-graph capturable: no host syncs, scratch from torch's allocator. In Triton's
 interpreter (CPU tests), loops with run-time bounds are `while` loops, which compile as well.
@@ -61,7 +64,7 @@ the long chains (timing-only copies without them: benchmarks/README.md).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -121,6 +124,26 @@ class RecurrentConfig:
 RECURRENT_DEFAULT = RecurrentConfig()
 
 
+@dataclass(frozen=True)
+class FoldConfig:
+    """Tiling of `fold_path`: a [block_k, block_v] tile of a [Dk, Dv] state per program. The fold
+    reads and writes every layer's whole state once (288 MiB at Qwen3.6-27B's 48 layers) and does
+    little else, so its tiles are whole state rows (block_v = Dv: each row one contiguous load).
+    H200, 48 layers of Hv 48, Dk = Dv = 128, a 16-node path (`benchmarks/gdn_kernels.py --fold`,
+    gdn_kernels_h200_tf32_fold.json), us a commit with all 16 / 5 of its nodes accepted: the token
+    loop's tiling (16 columns of every row, one warp), which the fold had before, 216.7 / 172.1;
+    64 whole rows over 4 warps 159.6 / 105.8 (the best at 16; 8 rows and one warp 168.0 / 101.8).
+    The bytes alone take about 70 us at the copy rate: each accepted node adds a dependent round of
+    loads from the stash."""
+
+    block_k: int = 64
+    block_v: int = 128
+    num_warps: int = 4
+
+
+FOLD_DEFAULT = FoldConfig()
+
+
 # Three pipeline stages (the key slices' loads further ahead) for every tree, and above 32 nodes the
 # prepare launch's registers capped at 128 (155 uncapped at Qwen3.6-27B's heads: three programs an
 # SM, four at the cap, so a 65-node tree's 480 programs fit one wave). H200, Hv 48, D 128, deep
@@ -130,13 +153,28 @@ RECURRENT_DEFAULT = RecurrentConfig()
 SMALL_TREE = TreeConfig(num_stages=3)
 LARGE_TREE = TreeConfig(num_stages=3, prepare_registers=128)
 
+# The products' precision for 2-byte (bf16 / fp16) inputs: one TF32 product ("tf32") has errors of
+# about 1e-3 of the outputs' scale at Qwen3.6-27B's heads, under a bf16 model's own rounding step
+# (2^-8 = 3.9e-3 relative), and takes a quarter less time than three (H200, us a call at 16 / 17 /
+# 65 / 257 nodes: 14.4 / 17.6 / 31.1 / 121.8 -> 10.4 / 13.1 / 22.9 / 94.4, gdn_kernels_h200_tf32_fold.json;
+# a 27B round at 8192 tokens, budget 64: 20.70 -> 20.28 ms). Float32 inputs always take
+# TreeConfig's "tf32x3", the float32 reference's accuracy. DDTREE_GDN_TREE_PRECISION=tf32x3 (or
+# ieee) gives 2-byte inputs that accuracy too.
+TWO_BYTE_PRECISION = os.environ.get("DDTREE_GDN_TREE_PRECISION", "tf32")
+if TWO_BYTE_PRECISION not in ("tf32", "tf32x3", "ieee"):
+    raise ValueError(f"DDTREE_GDN_TREE_PRECISION must be tf32, tf32x3 or ieee, got {TWO_BYTE_PRECISION!r}")
 
-def tree_config(n: int) -> TreeConfig:
-    """The tiling for a tree of n nodes: SMALL_TREE up to 32 nodes, LARGE_TREE above. Of 11
-    accurate tilings before these two (`benchmarks/gdn_kernels.py --sweep`) TreeConfig() was the
-    fastest or within 6% at N = 16, 17, 65, 257; 64 ancestor columns per step were 1-27% slower, 8
-    warps 21-65%, 32-node blocks 56-187%; `root_first` -5% to +3% (not taken)."""
-    return SMALL_TREE if n <= 32 else LARGE_TREE
+
+def tree_config(n: int, dtype: torch.dtype = torch.float32) -> TreeConfig:
+    """The tiling for a tree of n nodes whose values are `dtype`: SMALL_TREE up to 32 nodes,
+    LARGE_TREE above, with `TWO_BYTE_PRECISION` products for bf16 / fp16 values. Of 11 accurate
+    tilings before these two (`benchmarks/gdn_kernels.py --sweep`) TreeConfig() was the fastest or
+    within 6% at N = 16, 17, 65, 257; 64 ancestor columns per step were 1-27% slower, 8 warps
+    21-65%, 32-node blocks 56-187%; `root_first` -5% to +3% (not taken)."""
+    config = SMALL_TREE if n <= 32 else LARGE_TREE
+    if dtype != torch.float32:
+        config = replace(config, precision=TWO_BYTE_PRECISION, solve_precision=TWO_BYTE_PRECISION)
+    return config
 
 
 def _pow2_dim(d: int) -> bool:
@@ -200,7 +238,7 @@ class TreeLaunches:
     def __init__(self, q, k, v, g, beta, visible, state, config: TreeConfig | None = None,
                  u_out: torch.Tensor | None = None, G_out: torch.Tensor | None = None):
         n, hk, dk = k.shape
-        config = config or tree_config(n)
+        config = config or tree_config(n, v.dtype)
         hv, dv = v.shape[1], v.shape[2]
         self.q, self.k, self.v = _unit_last(q), _unit_last(k), _unit_last(v)
         self.g, self.beta = g.float(), beta.float()
@@ -301,20 +339,20 @@ def fold_supported(state: torch.Tensor) -> bool:
 
 
 def fold_path(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, G: torch.Tensor, order: torch.Tensor,
-              length: torch.Tensor, config: RecurrentConfig | None = None) -> None:
+              length: torch.Tensor, config: FoldConfig | None = None) -> None:
     """`models.gated_deltanet.fold_path` in one launch for every layer: state [L, Hv, Dk, Dv]
     (float32, in place) advanced by the path `order` [M] (root first; the first `length` real,
     a 0-d device tensor; 0 leaves the state) from the verify's stash k [L, N, Hk, Dk], u [L, Hv, N, Dv], G [L, N, Hv].
-    One program per (layer, value head, value tile) holds its state tile in registers and adds
-    the path's M rank-one terms."""
-    config = config or RECURRENT_DEFAULT
+    One program per (layer, value head, state tile) holds its tile in registers and adds the
+    path's M rank-one terms."""
+    config = config or FOLD_DEFAULT
     layers, hv, dk, dv = state.shape
-    block_v = min(config.block_v, dv)
+    block_k, block_v = min(config.block_k, dk), min(config.block_v, dv)
     k, u, G = k.float(), u.float(), G.float()
-    _fold_kernel[(layers, hv, dv // block_v)](
+    _fold_kernel[(layers, hv, (dk // block_k) * (dv // block_v))](
         state, k, u, G, order, length.reshape(1), order.shape[0],
         k.stride(0), k.stride(1), k.stride(2), u.stride(0), u.stride(1), u.stride(2), G.stride(0), G.stride(1),
-        GROUP=hv // k.shape[2], DK=dk, DV=dv, BLOCK_V=block_v, num_warps=config.num_warps)
+        GROUP=hv // k.shape[2], DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=config.num_warps)
 
 
 if triton is not None:
@@ -596,24 +634,26 @@ if triton is not None:
     @triton.jit
     def _fold_kernel(state_ptr, k_ptr, u_ptr, g_ptr, order_ptr, length_ptr, m,
                      sk_l, sk_n, sk_h, su_l, su_h, su_n, sg_l, sg_n,
-                     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
-        """Program (layer l, value head h, value tile): S <- exp(G_last) S + sum_j exp(G_last - G_j)
+                     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+        """Program (layer l, value head h, state tile): S <- exp(G_last) S + sum_j exp(G_last - G_j)
         k_j u_j^T over the path's first `length` nodes (none: S is left as it is)."""
         l = tl.program_id(0)
         h = tl.program_id(1)
         hk = h // GROUP
-        dk = tl.arange(0, DK)
-        dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        tiles_v: tl.constexpr = DV // BLOCK_V
+        dk = (tl.program_id(2) // tiles_v) * BLOCK_K + tl.arange(0, BLOCK_K)
+        dv = (tl.program_id(2) % tiles_v) * BLOCK_V + tl.arange(0, BLOCK_V)
         length = tl.load(length_ptr).to(tl.int32)
         last = tl.load(order_ptr + tl.maximum(length - 1, 0))
         g_last = tl.where(length > 0, tl.load(g_ptr + l * sg_l + last * sg_n + h), 0.0)
         at = state_ptr + ((l * tl.num_programs(1) + h) * DK + dk[:, None]) * DV + dv[None, :]
-        s = tl.load(at) * tl.exp(g_last)  # [DK, BLOCK_V]
-        steps = tl.where(length > 0, m, 0)
+        s = tl.load(at) * tl.exp(g_last)  # [BLOCK_K, BLOCK_V]
+        steps = tl.minimum(length, m)  # the caller clamps it too; nodes past it are not on the path
         j = 0
         while j < steps:
             node = tl.load(order_ptr + j)
-            weight = tl.where(j < length, tl.exp(g_last - tl.load(g_ptr + l * sg_l + node * sg_n + h)), 0.0)
+            weight = tl.exp(g_last - tl.load(g_ptr + l * sg_l + node * sg_n + h))
             kj = tl.load(k_ptr + l * sk_l + node * sk_n + hk * sk_h + dk)
             uj = tl.load(u_ptr + l * su_l + h * su_h + node * su_n + dv)
             s += (weight * kj)[:, None] * uj[None, :]

@@ -12,6 +12,12 @@ at the H200's copy bandwidth; `verify_profile_h200_qwen36_27b_glue.json`). Here 
 one node and BLOCK_C channels: its K source rows are found once on the scalar path (a node's
 ancestor indices), so each tap is one contiguous load. It also stores the node's own conv input
 in the commit's stash (which the commit's window update reads), so nothing else copies it.
+
+`commit_windows`: after the walk, every layer's window becomes the last K - 1 conv inputs of
+[window; the accepted path's inputs] in one launch. PyTorch's concatenate and two gathers for it
+moved the stash's whole path (about 50 MB at Qwen3.6-27B's 48 layers and a 16-node path) in
+three launches, 57 us a commit on an H200 (`verify_profile --phases walk_commit`), for the 3 rows
+(2.9 MB) that are kept.
 """
 from __future__ import annotations
 
@@ -53,7 +59,44 @@ def tree_conv_silu(window: torch.Tensor, mixed: torch.Tensor, ancestors: torch.T
     return out
 
 
+def commit_windows_supported(windows: torch.Tensor, stash: torch.Tensor) -> bool:
+    """Triton, a GPU (or the interpreter), windows [L, K - 1, C] and stash [L, N, C] with unit
+    channel strides."""
+    return (triton is not None and (windows.is_cuda or _INTERPRETED) and windows.dim() == 3 and stash.dim() == 3
+            and windows.shape[0] == stash.shape[0] and windows.shape[2] == stash.shape[2]
+            and windows.stride(2) == 1 and stash.stride(2) == 1)
+
+
+def commit_windows(windows: torch.Tensor, stash: torch.Tensor, order: torch.Tensor, length: torch.Tensor) -> None:
+    """windows [L, K - 1, C] (every layer's committed conv inputs, in place) <- the last K - 1 rows
+    of [windows; stash[:, order[:length]]]: stash [L, N, C] the verify's conv inputs per node,
+    order [M] the walk's path (root first), length a 0-d device tensor in [0, M] (0 leaves the
+    windows as they are)."""
+    layers, k1, c = windows.shape
+    _commit_windows[(layers, triton.cdiv(c, BLOCK_C))](
+        windows, stash, order, length.reshape(1), c, windows.stride(0), windows.stride(1), stash.stride(0),
+        stash.stride(1), K1=k1, ROWS=triton.next_power_of_2(k1), BLOCK_C=BLOCK_C, num_warps=4)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _commit_windows(windows_ptr, stash_ptr, order_ptr, length_ptr, channels, sw_l, sw_r, ss_l, ss_n,
+                        K1: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (layer, channel block): row r of the new window is row length + r of [window;
+        path], all K1 rows loaded as one [ROWS, BLOCK_C] tile (ROWS: K1 rounded up to a power of
+        two) before any is stored, since row length + r >= r is read where row r is written."""
+        layer = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        r = tl.arange(0, ROWS)
+        live = (r < K1)[:, None] & (c < channels)[None, :]
+        src = tl.load(length_ptr).to(tl.int32) + r
+        old = src < K1
+        node = tl.load(order_ptr + src - K1, mask=(r < K1) & ~old, other=0)
+        kept = tl.load(windows_ptr + layer * sw_l + src[:, None] * sw_r + c[None, :], mask=live & old[:, None])
+        new = tl.load(stash_ptr + layer * ss_l + node[:, None] * ss_n + c[None, :], mask=live & ~old[:, None])
+        tl.store(windows_ptr + layer * sw_l + r[:, None] * sw_r + c[None, :], tl.where(old[:, None], kept, new),
+                 mask=live)
 
     @triton.jit
     def node_conv_silu(window_ptr, mixed_ptr, ancestors_ptr, weight_ptr, stash_ptr, i, c, ok, s_window, s_mixed,

@@ -439,6 +439,9 @@ class HybridTarget(nn.Module):
             gdn_kernels.fold_path(rec.state, scratch.k, scratch.u, scratch.G, order, length)
         else:
             gdn.fold_path(rec.state, scratch.k, scratch.u, scratch.G, order, length)
+        if tree_conv is not None and KERNELS_ENABLED and tree_conv.commit_windows_supported(rec.conv, scratch.mixed):
+            tree_conv.commit_windows(rec.conv, scratch.mixed, order, length)
+            return
         k1 = rec.conv.shape[1]
         padded = torch.cat([rec.conv, scratch.mixed.index_select(1, order)], dim=1)  # [L, K - 1 + M, C]
         rec.conv.copy_(padded.index_select(1, torch.arange(k1, device=order.device) + length))
