@@ -1,8 +1,8 @@
-"""cuBLAS bf16 projection time by token count at Qwen3.6-27B's shapes: what a verify of N tokens
-pays in its matmuls over one of a single token (they read the same weights).
+"""cuBLAS bf16 projection time by token count at Qwen3.6-27B's (or Qwen3-8B's) shapes: what a verify
+of N tokens pays in its matmuls over one of a single token (they read the same weights).
 
     python -m benchmarks.gemm_tokens OUTPUT.json [--tokens 1,16,17,48,64,65,72,80,96,128] [--tunableop]
-        [--blas cublas,cublaslt]
+        [--blas cublas,cublaslt] [--shape qwen3.6-27b|qwen3-8b]
 
 Each shape is `F.linear(x [M, K], W [N, K])`, 64 calls over 8 weight copies (no L2 reuse) in one
 CUDA graph, timed as the median of 5 replays; the weights' bytes over that time are the rate.
@@ -28,6 +28,9 @@ from ddtree.bench.timing import graph_call_us
 # (q, k, v, z, then b and a) and output, a gated attention layer's q (with its gate), k, v and o.
 SHAPES = {"gate_up": (5120, 34816), "down": (17408, 5120), "gdn_in": (5120, 16384 + 96), "gdn_out": (6144, 5120),
           "attn_qkv": (5120, 12288 + 2048), "attn_o": (6144, 5120)}
+# Qwen3-8B's (--shape qwen3-8b): MLP gate+up and down, attention q, k, v and o, the LM head.
+SHAPES_8B = {"gate_up": (4096, 24576), "down": (12288, 4096), "attn_qkv": (4096, 4096 + 2048), "attn_o": (4096, 4096),
+             "lm_head": (4096, 151936)}
 
 
 def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64, tuned: bool = False) -> float:
@@ -49,14 +52,16 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16,17,48,64,65,72,80,96,128")
     p.add_argument("--tunableop", action="store_true", help="also time each shape with TunableOp's choice")
     p.add_argument("--blas", default=None, help="libraries to time each shape under, comma-separated: cublas, cublaslt")
+    p.add_argument("--shape", choices=["qwen3.6-27b", "qwen3-8b"], default="qwen3.6-27b")
     args = p.parse_args()
+    shapes = SHAPES if args.shape == "qwen3.6-27b" else SHAPES_8B
     tokens = [int(t) for t in args.tokens.split(",")]
     libraries = args.blas.split(",") if args.blas else [None]
     rows = []
     for library in libraries:
         if library is not None:
             torch.backends.cuda.preferred_blas_library(library)
-        for name, (k, n) in SHAPES.items():
+        for name, (k, n) in shapes.items():
             for m in tokens:
                 us = time_linear(k, n, m)
                 rows.append({"shape": name, "K": k, "N": n, "tokens": m, "us": us, "weight_GBps": k * n * 2 / us / 1e3})
@@ -70,7 +75,7 @@ def main() -> None:
                       f"{rows[-1]['weight_GBps']:7.0f} GB/s{tuned}", flush=True)
             torch.cuda.empty_cache()
     out = {"benchmark": "gemm_tokens", "command": f"python -m benchmarks.gemm_tokens {args.output} --tokens {args.tokens}"
-           + (" --tunableop" if args.tunableop else "") + (f" --blas {args.blas}" if args.blas else ""),
+           + (" --tunableop" if args.tunableop else "") + (f" --blas {args.blas}" if args.blas else "") + f" --shape {args.shape}",
            "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}
     if args.tunableop:
         out["tunableop_results"] = [list(map(str, r)) for r in torch.cuda.tunable.get_results()]
