@@ -1,7 +1,8 @@
 """Where a streamed request's time to first token goes inside `ddtree serve`, stage by stage.
 
     python -m benchmarks.server_first_token OUTPUT.json [--requests 60] [--warmup 10] [--engine-us 0]
-        [--engine-process]
+        [--engine-process] [--real [--target DIR --draft DIR --device cuda --dtype bfloat16 --tree-budget 64
+        --max-model-len N]]
 
 The server is `benchmarks.server_overhead`'s (the demo pair on the CPU, its engine replaying one
 recorded generation, each step `--engine-us` of busy Python; the engine a thread of the server's
@@ -35,6 +36,15 @@ and `pipe_back` the front's pipe reader has the event, before `loop_put`.
 
 `client_ttft_ms` beside them is the client's view: the rest is the client's own time, the socket
 and uvicorn's parsing of the request before the app sees it.
+
+With `--real` the engine is the real pair (`ddtree serve --warmup` of `--target`/`--draft`, the
+demo pair by default, on `--device`), not a replay, so `emit - engine_start` is the engine's own
+time to its first token inside the server; `in_process_ttft_ms` beside it is the same prompt's
+first token from the same `LLM` called directly (`LLM.stream`, a fresh load in the client's
+process after the server has stopped). The end of every request is marked too (`end_stages_ms`,
+the same medians, with any engine): `emit_last` (the last event leaves the engine),
+`pipe_back_last`, `last_sent` (the stream's last chunk is handed to uvicorn), against the client's
+`client_e2e_ms` (and, with `--real`, the in-process `in_process_e2e_ms`).
 """
 from __future__ import annotations
 
@@ -51,27 +61,32 @@ from pathlib import Path
 
 STAGES = ("prepare_call", "prepare_start", "prepare_end", "prepare_back", "submit", "engine_start", "emit",
           "loop_put", "handler_event", "first_content")
+END_STAGES = ("emit_last", "last_sent")
+END_PROCESS_STAGES = ("emit_last", "pipe_back_last", "last_sent")
 PROCESS_STAGES = ("prepare_call", "prepare_start", "prepare_end", "prepare_back", "submit", "engine_submit",
                   "engine_start", "emit", "pipe_back", "loop_put", "handler_event", "first_content")
 
 
 class Marks:
-    """The running request's stage times (one request at a time), a JSON line per request."""
+    """The running request's stage times (one request at a time), a JSON line per request.
+    `engine_side`: this process is the engine's (spawned), whose every mark is a line of its own."""
 
-    def __init__(self, path: Path, engine_thread: bool = True):
+    def __init__(self, path: Path, engine_thread: bool = True, engine_side: bool = False):
         self.engine_thread = engine_thread
         self.file = path.open("a")
         self.times: dict[str, float] = {}
         self.lock = threading.Lock()
-        self.pid = os.getpid()
+        self.pid = -1 if engine_side else os.getpid()
 
     def mark(self, stage: str) -> None:
-        if os.getpid() != self.pid:  # the forked engine process: every mark, with its clock time
-            self.file.write(json.dumps({"engine_stage": stage, "t": time.perf_counter()}) + "\n")
+        now = time.perf_counter()
+        if os.getpid() != self.pid:  # the engine process (forked or spawned): every mark, with its clock time
+            self.file.write(json.dumps({"engine_stage": stage, "t": now}) + "\n")
             self.file.flush()
             return
         with self.lock:
-            self.times.setdefault(stage, time.perf_counter())
+            self.times.setdefault(stage, now)
+            self.times[stage + "_last"] = now
 
     def start(self) -> dict[str, float]:
         """A new request: its marks from now on (the last one's may still be finishing)."""
@@ -98,6 +113,7 @@ def install_marks(marks: Marks) -> None:
         def wrapped(*args, **kwargs):
             marks.mark(stage)
             return fn(*args, **kwargs)
+        wrapped.__wrapped_mark__ = True
         setattr(owner, name, wrapped)
 
     before(worker.EngineWorker, "submit", "submit" if marks.engine_thread else "engine_submit")
@@ -141,10 +157,28 @@ def install_marks(marks: Marks) -> None:
             body = message.get("body", b"")
             if message["type"] == "http.response.body" and b'"content": "' in body and b'"content": ""' not in body:
                 marks.mark("first_content")
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                marks.mark("last_sent")
             await send(message)
         await outer(self, scope, receive, marked_send)
         marks.flush(times)
     middleware.RequestIdMiddleware.__call__ = marked_call
+
+
+MARKS_ENV = "SERVER_FIRST_TOKEN_MARKS"
+
+
+def marked_load(*args, **kwargs):
+    """`ddtree.server.main.load_for_serving` in the engine process, with the marks installed there
+    first (a forked engine has them already; marking twice would only repeat each line)."""
+    from ddtree.server import main as server_main, worker
+
+    if not hasattr(worker.EngineWorker.submit, "__wrapped_mark__"):
+        install_marks(Marks(Path(os.environ[MARKS_ENV]), engine_thread=False, engine_side=True))
+    return (_ORIGINAL_LOAD[0] if _ORIGINAL_LOAD else server_main.load_for_serving)(*args, **kwargs)
+
+
+_ORIGINAL_LOAD: list = []  # the server process's load_for_serving, before `marked_load` replaced it
 
 
 def measure(args) -> dict:
@@ -157,12 +191,13 @@ def measure(args) -> dict:
         child = subprocess.Popen([sys.executable, "-m", "benchmarks.server_first_token", "--serve", str(args.port),
                                   "--marks", str(marks_path), "--engine-us", str(args.engine_us),
                                   "--max-tokens", str(args.max_tokens),
-                                  *(["--engine-process"] if args.engine_process else [])])
+                                  *(["--engine-process"] if args.engine_process else []), *real_flags(args)])
         url = f"http://127.0.0.1:{args.port}"
         try:
             with httpx.Client(timeout=120) as client:
                 wait_until_up(client, url, child)
-                runs = [stream_one(client, url, args.max_tokens) for _ in range(args.warmup + args.requests)]
+                model = client.get(url + "/v1/models").json()["data"][0]["id"]
+                runs = [stream_one(client, url, args.max_tokens, model) for _ in range(args.warmup + args.requests)]
         finally:
             child.terminate()
             child.wait(30)
@@ -172,26 +207,86 @@ def measure(args) -> dict:
     stages = PROCESS_STAGES if args.engine_process else STAGES
     # A small body is tokenized on the loop (no worker thread): its rows have no prepare_* marks.
     stages = [s for s in stages if not s.startswith("prepare_") or any(s in row for row in rows)]
-    complete = [row for row in rows if all(stage in row for stage in stages)]
-    return {
+    end_stages = END_PROCESS_STAGES if args.engine_process else END_STAGES
+    complete = [row for row in rows if all(stage in row for stage in (*stages, *end_stages))]
+    timed = runs[args.warmup:]
+    result = {
         "benchmark": "server_first_token",
         "command": " ".join(["python -m benchmarks.server_first_token", *sys.argv[1:]]),
-        "engine_process": args.engine_process,
-        "engine_us": args.engine_us, "requests": args.requests, "requests_with_every_stage": len(complete),
-        "requests_without": {stage: sum(stage not in row for row in rows) for stage in stages},
-        "client_ttft_ms": statistics.median(r["ttft_s"] for r in runs[args.warmup:]) * 1e3,
+        "engine_process": args.engine_process, "real": args.real,
+        "engine_us": None if args.real else args.engine_us, "requests": args.requests,
+        "requests_with_every_stage": len(complete),
+        "requests_without": {stage: sum(stage not in row for row in rows) for stage in (*stages, *end_stages)},
+        "client_ttft_ms": statistics.median(r["ttft_s"] for r in timed) * 1e3,
+        "client_e2e_ms": statistics.median(r["e2e_s"] for r in timed) * 1e3,
+        "client_tokens": statistics.median(r["tokens"] for r in timed),
         "stages_ms": {stage: statistics.median(row[stage] for row in complete) for stage in stages},
+        "end_stages_ms": {stage: statistics.median(row[stage] for row in complete) for stage in end_stages},
     }
+    if args.real:
+        result.update(in_process(args))
+    return result
+
+
+def pair_flags(args) -> list[str]:
+    """--target / --draft / --dtype / --max-model-len as given (the same for this script and serve)."""
+    flags = []
+    for name in ("target", "draft", "dtype", "max_model_len"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags
+
+
+def real_flags(args) -> list[str]:
+    """The server process's flags for --real (none without it)."""
+    if not args.real:
+        return []
+    return ["--real", "--tree-budget", args.tree_budget, "--device", args.device, *pair_flags(args)]
+
+
+def in_process(args) -> dict:
+    """The same prompt and settings through `LLM.stream` in this process (after the server stopped):
+    median time to its first token and to its end over the same number of requests."""
+    from benchmarks.server_overhead import PROMPT
+    from ddtree.config import SamplingParams, parse_tree_budget
+    from ddtree.server.main import _load
+
+    budget = parse_tree_budget(args.tree_budget)
+    llm = _load(real_serve_args(args), budget, warmup=True)
+    ids = llm.apply_chat_template(PROMPT)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    ttft, e2e = [], []
+    for index in range(args.warmup + args.requests):
+        start = time.perf_counter()
+        first = None
+        for event in llm.stream(ids, params, budget):
+            if first is None and event.token_ids:
+                first = time.perf_counter() - start
+        if index >= args.warmup:
+            ttft.append(first * 1e3)
+            e2e.append((time.perf_counter() - start) * 1e3)
+    return {"in_process_ttft_ms": statistics.median(ttft), "in_process_e2e_ms": statistics.median(e2e)}
+
+
+def real_serve_args(args, port: int = 8000, engine_process: bool = False):
+    """`ddtree serve`'s parsed arguments for the real pair (the demo pair when no --target)."""
+    from ddtree.cli import build_parser
+
+    argv = ["serve", "--port", str(port), "--device", args.device, "--tree-budget", args.tree_budget, "--warmup",
+            "--log-level", "warning", "--engine-process" if engine_process else "--no-engine-process", *pair_flags(args)]
+    return build_parser().parse_args(argv)
 
 
 def with_engine_marks(rows: list[dict], engine_marks: list[dict]) -> list[dict]:
     """Each request's row with the engine process's first mark of each stage between its arrival
-    and the next request's (one request at a time), in ms from its arrival."""
+    and the next request's (one request at a time), and its last as `<stage>_last`, in ms from its
+    arrival."""
     starts = [row["arrive_at"] for row in rows] + [float("inf")]
     for row, start, end in zip(rows, starts, starts[1:]):
         for mark in engine_marks:
             if start <= mark["t"] < end:
                 row.setdefault(mark["engine_stage"], (mark["t"] - start) * 1e3)
+                row[mark["engine_stage"] + "_last"] = (mark["t"] - start) * 1e3
     return rows
 
 
@@ -206,7 +301,24 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--engine-process", action="store_true", help="the engine in a process of its own (serve's default)")
+    p.add_argument("--real", action="store_true", help="the real pair's engine (serve --warmup), not a replay")
+    p.add_argument("--target", help="with --real: the target (default: the demo pair)")
+    p.add_argument("--draft", help="with --real: the drafter")
+    p.add_argument("--device", default="cpu", help="with --real: the device (default cpu)")
+    p.add_argument("--dtype", help="with --real: the dtype")
+    p.add_argument("--tree-budget", default="ar", help="with --real: the server's budget (default ar)")
+    p.add_argument("--max-model-len", type=int, help="with --real: the context limit")
     args = p.parse_args()
+    if args.serve is not None and args.real:
+        from ddtree.server import main as server_main
+
+        install_marks(Marks(Path(args.marks), engine_thread=not args.engine_process))
+        # On CUDA the engine process is spawned: it marks its stages once its load (this module's
+        # `marked_load`, pickled by name) has installed the marks there.
+        os.environ[MARKS_ENV] = args.marks
+        _ORIGINAL_LOAD.append(server_main.load_for_serving)
+        server_main.load_for_serving = marked_load
+        return server_main.cmd_serve(real_serve_args(args, args.serve, args.engine_process))
     if args.serve is not None:
         from benchmarks.server_overhead import serve
 

@@ -214,11 +214,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def stream_one(client, url: str, max_tokens: int) -> dict:
+def stream_one(client, url: str, max_tokens: int, model: str = "demo-target") -> dict:
     """One streamed chat request -> its time to first content, end-to-end time and token count."""
     start = time.perf_counter()
     first, tokens = None, 0
-    body = {"model": "demo-target", "messages": PROMPT, "max_tokens": max_tokens, "stream": True,
+    body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()

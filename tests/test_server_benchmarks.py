@@ -33,6 +33,25 @@ def test_server_first_token_reaches_every_stage_in_order(tmp_path, engine_proces
     times = list(result["stages_ms"].values())
     assert times == sorted(times) and 0 < times[0]
     assert times[-1] < result["client_ttft_ms"]
+    ends = result["end_stages_ms"]
+    assert list(ends) == (["emit_last", "pipe_back_last", "last_sent"] if engine_process else ["emit_last", "last_sent"])
+    assert times[-1] < ends["last_sent"] < result["client_e2e_ms"] and ends["emit_last"] < ends["last_sent"]
+
+
+def test_server_first_token_with_the_real_engine(tmp_path):
+    """--real: the demo pair's own engine in its process, every stage marked there too, and the same
+    prompt's first token and end in process beside the client's."""
+    out = tmp_path / "first_token_real.json"
+    cmd = [sys.executable, "-m", "benchmarks.server_first_token", str(out), "--real", "--engine-process", "--requests",
+           "3", "--warmup", "1", "--max-tokens", "6", "--tree-budget", "16", "--port", str(free_port())]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["real"] and result["requests_with_every_stage"] == 3 and result["client_tokens"] == 6
+    stages = result["stages_ms"]
+    assert stages["engine_start"] < stages["emit"] < stages["first_content"] < result["client_ttft_ms"]
+    assert 0 < result["in_process_ttft_ms"] < result["in_process_e2e_ms"]
+    assert result["end_stages_ms"]["last_sent"] < result["client_e2e_ms"]
 
 
 def test_server_overhead_batched_replay_streams_every_request_whole(tmp_path):
