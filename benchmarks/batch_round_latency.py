@@ -3,10 +3,13 @@ the batch's choice (ddtree.batch_budget) picks at each batch size.
 
     python -m benchmarks.batch_round_latency OUTPUT.json [--shape qwen3-8b|demo] [--rows 1,4,16]
         [--budgets ar,16,64] [--context 512] [--acceptance 16=4.15,64=4.86] [--device cuda] [--eager]
+        [--target DIR --draft DIR [--dtype bfloat16]]
 
 `--shape qwen3-8b` builds Qwen3-8B and its 5-layer drafter with random bf16 weights (a GPU;
 `qwen3.6-27b` the hybrid Qwen3.6-27B, whose rows each hold their own recurrent state);
-`demo` loads the shipped demo pair (float32 on the CPU). Every row holds a dummy prompt of
+`demo` loads the shipped demo pair (float32 on the CPU); `--target`/`--draft` any checkpoint pair
+(for example `benchmarks.random_checkpoint --agreeing-draft`'s, whose rounds accept every drafted
+token, as the random shapes' never do). Every row holds a dummy prompt of
 `--context` tokens; each (rows, budget) cell is the median of a few `BatchEngine.step` rounds
 (`ddtree.round_costs.measure_round_costs`: one untimed round, then three), every row at the
 budget: the engine's fixed-shape round, on CUDA replayed from CUDA graphs (captured in the untimed
@@ -42,13 +45,15 @@ from ddtree.round_costs import dummy_rows, measure_round_costs
 from ddtree.temperature_buckets import GREEDY
 
 
-def models(shape: str, device: torch.device, context: int):
-    """(target, drafter) of `shape`, and the context limit the engine gets."""
+def models(shape: str, device: torch.device, context: int, target: str | None = None, draft: str | None = None,
+           dtype: str | None = None):
+    """(target, drafter) of `shape` (or the pair in `target` / `draft`), and the context limit the
+    engine gets."""
     max_len = context + 1024
-    if shape == "demo":
+    if shape == "demo" or target is not None:
         from ddtree.llm import LLM
 
-        llm = LLM(device=str(device), max_num_seqs=1)
+        llm = LLM(target, draft, device=str(device), dtype=dtype, max_num_seqs=1)
         return llm.target, llm.drafter, min(max_len, llm.max_model_len)
     from benchmarks.round_latency import build_models
 
@@ -140,6 +145,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("output")
     ap.add_argument("--shape", choices=("qwen3-8b", "qwen3.6-27b", "demo"), default="qwen3-8b")
+    ap.add_argument("--target", help="a checkpoint pair instead of --shape (e.g. benchmarks.random_checkpoint's "
+                    "pair that always agrees, whose every round accepts the whole tree's deepest path)")
+    ap.add_argument("--draft", help="with --target: its drafter")
+    ap.add_argument("--dtype", help="with --target: the dtype (default: the LLM's for the device)")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--budgets", default="ar,16,64")
     ap.add_argument("--context", type=int, default=512)
@@ -154,7 +163,9 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     budgets = [parse_tree_budget(b) for b in args.budgets.split(",")]
     acceptance = {parse_tree_budget(k): float(v) for k, v in (item.split("=") for item in args.acceptance.split(","))}
-    target, drafter, max_len = models(args.shape, device, args.context)
+    if args.draft is not None and args.target is None:
+        ap.error("--draft needs --target")
+    target, drafter, max_len = models(args.shape, device, args.context, args.target, args.draft, args.dtype)
     if device.type == "cuda":
         from benchmarks.round_latency import measure_ceilings
 
@@ -189,10 +200,11 @@ def main() -> None:
     result = {"benchmark": "batch_round_latency",
               "command": "python -m benchmarks.batch_round_latency " + " ".join(
                   [args.output] + [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                   if k not in ("output", "eager", "profile")]
+                                   if k not in ("output", "eager", "profile") and v is not None]
                   + (["--eager"] if args.eager else []) + (["--profile"] if args.profile else [])),
               "machine": {**machine_info(device), "python": platform.python_version()},
-              "git_revision": git_revision(), "shape": args.shape, "graphs": engine.use_graphs, "ceilings": ceilings,
+              "git_revision": git_revision(), "shape": args.shape if args.target is None else None,
+              "target": args.target, "draft": args.draft, "graphs": engine.use_graphs, "ceilings": ceilings,
               "acceptance": {str(k): v for k, v in acceptance.items()}, "cells": cells,
               "chosen": {str(rows): pick for rows, pick in picks.items()}}
     with open(args.output, "w") as f:

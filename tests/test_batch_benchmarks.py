@@ -66,3 +66,18 @@ def test_batch_round_latency_writes_every_cell_and_the_choice(tmp_path):
     assert cells[(1, "16")]["profile"]["launches"] > cells[(1, "ar")]["profile"]["launches"]
     assert cells[(2, "16")]["floor_ms"] > cells[(1, "16")]["floor_ms"] > cells[(1, "ar")]["floor_ms"]
     assert set(result["chosen"]) == {"1", "2"} and set(result["chosen"].values()) <= {"ar", "16"}
+
+
+def test_batch_round_latency_takes_a_checkpoint_pair(tmp_path):
+    """--target / --draft: the rounds of that pair (here the demo pair's directories), recorded as such."""
+    out = tmp_path / "rounds.json"
+    models = ROOT / "models"
+    cmd = [sys.executable, "-m", "benchmarks.batch_round_latency", str(out), "--target", str(models / "demo-target"),
+           "--draft", str(models / "demo-drafter"), "--rows", "1", "--budgets", "16", "--context", "24",
+           "--device", "cpu"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["target"].endswith("demo-target") and result["shape"] is None and "--target" in result["command"]
+    [cell] = result["cells"]
+    assert cell["rows"] == 1 and cell["tree_budget"] == "16" and cell["round_ms"] > 0
