@@ -100,12 +100,14 @@ class RecordedWrites:
     """The app, with every response body write it makes recorded (one string each)."""
 
     def __init__(self, app):
-        self.app, self.writes = app, []
+        self.app, self.writes, self.body_messages = app, [], []
 
     async def __call__(self, scope, receive, send):
         async def recording(message):
-            if message["type"] == "http.response.body" and message.get("body"):
-                self.writes.append(message["body"].decode())
+            if message["type"] == "http.response.body":
+                self.body_messages.append(message)
+                if message.get("body"):
+                    self.writes.append(message["body"].decode())
             await send(message)
         await self.app(scope, receive, recording)
 
@@ -116,8 +118,9 @@ class RecordedWrites:
     ("/v1/completions", {**GOOD, "stream": True}),
 ], ids=["chat_with_usage", "completion"])
 def test_a_stream_ends_in_one_write(llm, path, body):
-    """The last event's chunk, the usage chunk and "data: [DONE]" leave in one write; every other
-    write holds one chunk (the role, then one per engine step)."""
+    """The last event's chunk, the usage chunk and "data: [DONE]" leave in one write, which also ends
+    the body (so the chunked encoding's terminator goes with it); every other write holds one chunk
+    (the role, then one per engine step)."""
     app = RecordedWrites(create_app(llm))
     with TestClient(app) as client:
         response = client.post(path, json=body)
@@ -126,6 +129,8 @@ def test_a_stream_ends_in_one_write(llm, path, body):
     assert "".join(writes) == response.text
     last = [line for line in writes[-1].split("\n") if line]
     assert last[-1] == "data: [DONE]"
+    assert app.body_messages[-1]["body"].decode() == writes[-1] and not app.body_messages[-1]["more_body"]
+    assert all(message["more_body"] for message in app.body_messages[:-1])
     final = [json.loads(line[len("data: "):]) for line in last[:-1]]
     assert final[0]["choices"][0]["finish_reason"] == "length"
     if "stream_options" in body:

@@ -144,6 +144,37 @@ def test_client_disconnect_stops_generation(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_client_that_stops_reading_at_done_keeps_its_connection(server):
+    """A stream's last chunk, "data: [DONE]" and the end of the body leave in one write, so that a
+    client which stops reading at [DONE] (as `ddtree bench` did, as many do) finds the response
+    complete and sends its next request on the same connection. aiohttp drops a connection whose
+    response it left unfinished: with the body's end written apart, about half of these requests
+    opened a new one."""
+    import aiohttp
+
+    async def run() -> int:
+        opened = 0
+
+        async def on_open(session, context, params):
+            nonlocal opened
+            opened += 1
+
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(on_open)
+        async with aiohttp.ClientSession(server.url, headers=server.headers, trace_configs=[trace]) as session:
+            for i in range(12):
+                body = {"prompt": f"def f{i}(x):", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                async with session.post("/v1/completions", json=body) as response:
+                    assert response.status == 200
+                    async for line in response.content:
+                        if line.strip() == b"data: [DONE]":
+                            break
+        return opened
+
+    assert asyncio.run(run()) == 1
+
+
 def test_requests_wait_for_cache_room_and_equal_their_solo_runs(demo_pair):
     """A KV cache of 800 slots: a request of 200 tokens holds a region of about 230, so three run at
     once and the others wait in the queue (not refused) for room; every stream equals the same

@@ -21,6 +21,7 @@ READ_TIMEOUT = 4.0
 KEEP_ALIVE_TIMEOUT = 1.0
 SHUTDOWN_TIMEOUT = 1.5
 MAX_CONNECTIONS = 8
+MAX_HEADER_BYTES = 2048
 SLACK = 5.0  # a loaded two-core machine may run a timer this late
 EXIT_SLACK = 0.25  # the test's own latency between signalling and seeing the exit on a loaded machine
 
@@ -29,6 +30,7 @@ EXIT_SLACK = 0.25  # the test's own latency between signalling and seeing the ex
 def server(demo_pair):
     live = LiveServer(*demo_pair, "--read-timeout", str(READ_TIMEOUT), "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT),
                       "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
+                      "--max-header-bytes", str(MAX_HEADER_BYTES),
                       # One request decodes at a time, so that the SIGTERM test has one waiting in the queue.
                       "--max-num-seqs", "1", api_key=None, max_model_len=512)
     with live:
@@ -87,6 +89,30 @@ def test_idle_and_half_sent_connections_are_closed_after_the_read_timeout(server
     print("closed after (s):", {name: round(wait, 2) for name, wait in waits.items()})
     assert all(READ_TIMEOUT - 0.5 <= wait <= READ_TIMEOUT + SLACK for wait in waits.values()), waits
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_head_over_the_limit_is_refused_and_its_connection_closed(server):
+    """Whether it arrives at once or a header at a time, and however long its one header is, a head
+    over --max-header-bytes is answered 400 and closed as soon as it passes the limit; one just under
+    it, body and all in one send, is served."""
+    whole = connect(server)
+    whole.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n")
+    trickled = connect(server)
+    trickled.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    for _ in range(MAX_HEADER_BYTES // 256 + 1):  # one header that never ends
+        trickled.sendall(b"a" * 256)
+        time.sleep(0.01)
+    for sock in (whole, trickled):
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") and answer.endswith(b"Request head over 2048 bytes."), answer
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    head = HEAD + b"Content-Length: " + str(len(body)).encode() + b"\r\nX-Pad: "
+    fits = connect(server)
+    fits.sendall(head + b"a" * (MAX_HEADER_BYTES - len(head) - 8) + b"\r\n\r\n" + body)
+    assert fits.recv(4096).startswith(b"HTTP/1.1 200")
+    fits.close()
 
 
 def test_idle_kept_alive_connection_is_closed(server):

@@ -295,12 +295,14 @@ class LiveBackend:
                 if resp.status != 200:
                     out.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
                     return out
+                done = False
                 async for line in resp.content:  # one line at a time
-                    if not line.startswith(b"data:"):
-                        continue
+                    if done or not line.startswith(b"data:"):
+                        continue  # after [DONE], to the body's end: the connection is kept for the next request
                     data = line[len(b"data:"):].strip()
                     if data == b"[DONE]":
-                        break
+                        done = True
+                        continue
                     chunk = json.loads(data)
                     if "error" in chunk:
                         out.error = _error_message(data)

@@ -36,7 +36,7 @@ class ServerLimits:
     # -- queueing and connections ------------------------------------------------------------
     max_queued_requests: int = 128  # waiting for the engine; more are answered 429
     max_connections: int = 512  # open connections; more are answered 503 (uvicorn's limit_concurrency)
-    max_header_bytes: int = 16384  # request line + headers (h11's incomplete-event limit)
+    max_header_bytes: int = 16384  # request line + headers (ddtree.server.connection)
     read_timeout: float = 30.0  # seconds for a request's head and body to arrive, from its first byte
     keep_alive_timeout: float = 5.0  # seconds an idle kept-alive connection stays open
     # -- failure and shutdown ------------------------------------------------------------------

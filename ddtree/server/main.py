@@ -237,7 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ddtree.llm import DEFAULT_TARGET
     from ddtree.server.app import create_app
-    from ddtree.server.connection import TimedH11Protocol
+    from ddtree.server.connection import TimedHttpProtocol
     from ddtree.server.listen import bind_listeners
     from ddtree.server.shutdown import GracePeriodServer, exit_now, grace_period
 
@@ -269,9 +269,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.warning("shutdown timeout: ended %d request(s) still running or queued", ended)
 
     config = uvicorn.Config(app, log_level=args.log_level,
-                            http=TimedH11Protocol.with_timeouts(limits.read_timeout, grace_period(limits.shutdown_timeout)),
+                            http=TimedHttpProtocol.with_limits(limits.read_timeout, grace_period(limits.shutdown_timeout),
+                                                               limits.max_header_bytes),
                             limit_concurrency=limits.max_connections,
-                            h11_max_incomplete_event_size=limits.max_header_bytes,
                             timeout_keep_alive=limits.keep_alive_timeout,
                             # A backstop: end_what_is_left has ended every request by then.
                             timeout_graceful_shutdown=limits.shutdown_timeout + 5)
