@@ -51,6 +51,12 @@ class GenerationStats:
     tokens_per_second: float = 0.0  # generated tokens / wall time from request start to the last token
     time_to_first_token_s: float = 0.0
 
+    def as_dict(self) -> dict:
+        """`dataclasses.asdict(self)` without its deep copy of every list item (85 us for a 128-round
+        request, paid by a stream's last chunk)."""
+        return {**vars(self), "budget_rounds": dict(self.budget_rounds),
+                "acceptance_lengths": list(self.acceptance_lengths)}
+
 
 @dataclass
 class GenerationResult:

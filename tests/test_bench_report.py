@@ -163,3 +163,12 @@ def test_finish_flags_parity_failures_and_failed_requests_loudly():
     sampled = finish([_row("ar", 1, 10.0)], [{0: "a"}], greedy=False)
     assert sampled["parity_ok"] is None
     assert not math.isnan(sampled["recommendation"]["median_tokens_per_second"])
+
+
+def test_decode_rate_leaves_out_the_prefill():
+    """The calibrations' rate: tokens after the first over the time from the first to the last, so
+    that a long prompt's prefill (the same for every budget) does not hide the budgets' speeds."""
+    after_long_prompt = RequestOutput(0, success=True, output_tokens=65, ttft_s=1.67, e2el_s=1.70)
+    assert after_long_prompt.decode_tokens_per_second == pytest.approx(64 / 0.03)
+    assert after_long_prompt.tokens_per_second == pytest.approx(65 / 1.70)
+    assert RequestOutput(0, success=True, output_tokens=1, ttft_s=0.2, e2el_s=0.2).decode_tokens_per_second is None

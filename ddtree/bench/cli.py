@@ -179,6 +179,19 @@ async def _sweep(backend, prompts, settings, progress: bool, sweep, on_row, prun
         await backend.aclose()
 
 
+def run_loop(main) -> None:
+    """Run the coroutine on uvloop where it is installed (a ddtree dependency but on Windows), as
+    `ddtree serve` does: the client's own time per streamed request, which a live bench counts
+    against the server, falls from 2.20 to 1.90 ms on two CPU cores (a replayed engine that costs
+    nothing, 8 tokens a request)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def run_and_report(args: argparse.Namespace, backend, prompts, settings, title: Callable[[], str]):
     """Run the sweep, printing each row as it ends; a Ctrl-C keeps the rows measured so far.
     `title` is called when the first row is printed (a live server's model name is known by then).
@@ -192,7 +205,7 @@ def run_and_report(args: argparse.Namespace, backend, prompts, settings, title: 
     view = SweepConsole(make_console(), title, args.full_table, settings.greedy, names)
     prune_below = QUICK["prune_below"] if args.quick else None
     try:
-        asyncio.run(_sweep(backend, prompts, settings, not args.no_progress, sweep, view.on_row, prune_below))
+        run_loop(_sweep(backend, prompts, settings, not args.no_progress, sweep, view.on_row, prune_below))
     except KeyboardInterrupt:
         sweep.interrupted = True
     info = backend.describe()

@@ -40,6 +40,14 @@ class RequestOutput:
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.e2el_s if self.e2el_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """The tokens after the first over the time from the first to the last: what a tree budget
+        changes (the prefill before the first token is the same whatever the budget); None with
+        fewer than two tokens."""
+        span = self.e2el_s - self.ttft_s
+        return (self.output_tokens - 1) / span if self.output_tokens > 1 and span > 0 else None
+
 
 @dataclass
 class ServerCounters:

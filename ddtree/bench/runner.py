@@ -82,6 +82,7 @@ class OfflineBackend:
     def __init__(self, llm):
         self.llm = llm
         self.lock = threading.Lock()
+        self.prompts: dict[int, BenchPrompt] = {}
         self.prompt_ids: dict[int, list[int]] = {}
         # Set when the sweep is cancelled (Ctrl-C): the request in its thread stops after the step in
         # progress and the queued ones do not start, so the interrupted sweep ends at once.
@@ -105,12 +106,15 @@ class OfflineBackend:
                     self.llm.check_request(ids, settings.params(index), budget)
             except DDTreeError as exc:
                 raise DDTreeError(f"prompt {prompt.id!r}: {exc}", exc.param) from None
+            self.prompts[index] = prompt
             self.prompt_ids[index] = ids
 
     def generate_one(self, index: int, budget: TreeShape, params: SamplingParams, sent_at: float,
                      deadline: float | None = None) -> RequestOutput:
-        """Run one request (prompt ids from `check`); times count from `sent_at` (time.perf_counter()).
-        Past `deadline` (a perf_counter time) the request stops after the step in progress and fails."""
+        """Run one request (checked by `check`) from its text: its chat template and tokenizing count
+        in its time, as they do for `LLM.generate(text)` and behind a server. Times count from
+        `sent_at` (time.perf_counter()). Past `deadline` (a perf_counter time) the request stops
+        after the step in progress and fails."""
         out = RequestOutput(index, prompt_tokens=len(self.prompt_ids[index]))
         with self.lock:
             last = None
@@ -118,7 +122,9 @@ class OfflineBackend:
             if self.cancelled.is_set():
                 out.error = "cancelled"
                 return out
-            stream = self.llm.stream(self.prompt_ids[index], params, budget)
+            prompt = self.prompts.get(index)  # none for prompts given as token ids (tune's calibrations)
+            ids = self.encode(prompt) if prompt is not None else self.prompt_ids[index]
+            stream = self.llm.stream(ids, params, budget)
             try:
                 for event in stream:
                     now = time.perf_counter()

@@ -6,7 +6,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict
 from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
@@ -136,13 +135,13 @@ class Reply:
         choice = {"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs, chat=False),
                   "finish_reason": result.finish_reason}
         return {**self._head("text_completion"), "choices": [self._ids(choice, result.token_ids, True)],
-                "usage": self._usage(result), "ddtree": asdict(result.stats)}
+                "usage": self._usage(result), "ddtree": result.stats.as_dict()}
 
     def chat(self, result) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                   "logprobs": self._logprobs(result.logprobs, chat=True), "finish_reason": result.finish_reason}
         return {**self._head("chat.completion"), "choices": [self._ids(choice, result.token_ids, True)],
-                "usage": self._usage(result), "ddtree": asdict(result.stats)}
+                "usage": self._usage(result), "ddtree": result.stats.as_dict()}
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -176,7 +175,7 @@ class Reply:
         the stream's end: one write (`sse`)."""
         if result is None:
             return [chunk]
-        chunk["ddtree"] = asdict(result.stats)
+        chunk["ddtree"] = result.stats.as_dict()
         out = [chunk]
         if self.body.include_usage:
             out.append({**self._head(chunk["object"]), "choices": [], "usage": self._usage(result)})
