@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
 from ddtree.bench.report import RequestOutput
 from ddtree.bench.runner import OfflineBackend
 from ddtree.bench.tune import (
+    CALIBRATION_WARMUP_TOKENS,
     CALIBRATION_BUDGETS,
     TUNE_FILE,
     calibrate,
@@ -170,6 +172,26 @@ def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
     assert summary["samples"]["32"] > 2 and summary["samples"]["chain"] > 2
     assert not set(runs) & {256, 512, 1024}
     assert summary["recommendation"]["margin_over_ar"] == pytest.approx(2.6)
+
+
+def test_tune_calibrations_leave_warm_ups_out_of_their_time(llm, monkeypatch):
+    """Warm-up requests slower than the whole limit (the first request after a long prompt compiling
+    its kernels, on a GPU): inside the limit nothing is measured; outside it (`ddtree tune`) every
+    budget is."""
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        if params.max_tokens == CALIBRATION_WARMUP_TOKENS:
+            if deadline is not None and time.perf_counter() + 0.2 > deadline:
+                time.sleep(max(0.0, deadline - time.perf_counter()))
+                return RequestOutput(index, error="stopped at the deadline")
+            time.sleep(0.2)
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens, ttft_s=0.001, e2el_s=0.01)
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    budgets = [AR, CHAIN]
+    assert calibrate(llm, time_limit_s=0.1, budgets=budgets)[0] is None
+    budget, summary = calibrate(llm, time_limit_s=0.1, budgets=budgets, untimed_warmups=True)
+    assert budget is not None and set(summary["median_tokens_per_second"]) == {"ar", "chain"}
+    assert summary["seconds"] >= 0.4  # the two warm-ups, beside the limit's 0.1 s
 
 
 def test_without_a_drafter_auto_is_ar(demo_pair):

@@ -164,7 +164,8 @@ def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeShape] | N
     named in `skip` (the one the sweep measured) are left out."""
     entries = {}
     for bucket in (b for b in BUCKETS if b.name not in skip):
-        budget, summary = calibrate(llm, seconds_per_bucket, log, budgets, temperature=bucket.measured_at)
+        budget, summary = calibrate(llm, seconds_per_bucket, log, budgets, temperature=bucket.measured_at,
+                                    untimed_warmups=True)
         if budget is None:
             continue
         entries[bucket.name] = {"temperature": bucket.measured_at, "tree_budget": budget, "source": "calibration",
@@ -188,7 +189,8 @@ def measure_contexts(llm, seconds_per_context: float, contexts: list[int], budge
     `seconds_per_context` -> entries by context bucket (`budget_selector.context_bucket`)."""
     entries = {}
     for tokens in contexts:
-        budget, summary = calibrate(llm, seconds_per_context, log, budgets, prompt_tokens=tokens)
+        budget, summary = calibrate(llm, seconds_per_context, log, budgets, prompt_tokens=tokens,
+                                    untimed_warmups=True)
         if budget is None:
             log(f"tree budget auto: context {tokens}: nothing measured in {seconds_per_context:g} s")
             continue
@@ -235,7 +237,7 @@ def _calibration_prompts(llm, max_tokens: int, length: int | None = None) -> lis
 
 def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = print,
               budgets: list[TreeShape] | None = None, temperature: float = 0.0,
-              prompt_tokens: int | None = None) -> tuple[TreeShape | None, dict]:
+              prompt_tokens: int | None = None, untimed_warmups: bool = False) -> tuple[TreeShape | None, dict]:
     """Measure budgets on this machine within `time_limit_s` seconds -> (the budget with the best
     median decode tokens/s, `RequestOutput.decode_tokens_per_second`, or None if nothing was
     measured; a summary). prompt_tokens: calibrate after
@@ -247,6 +249,10 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     goes to more prompts for the budgets still in the race, the order rotating so that slow drifts hit
     all alike; after each turn a budget below half the leader's median (two samples or more) drops
     out. A request still running at the deadline stops after its round in progress and is not counted.
+    With `untimed_warmups` (`ddtree tune`'s calibrations) each budget's warm-up request runs outside
+    the time limit, which then counts measurement only: the first request after a long prompt may
+    spend longer than the limit compiling its kernels. The server's start-up calibration keeps them
+    inside its bound.
     """
     budgets = sorted(budgets or CALIBRATION_BUDGETS, key=lambda b: (b.builds_tree, b.budget))
     start = time.perf_counter()
@@ -280,7 +286,10 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
         if time.perf_counter() >= deadline:
             skipped.update({str(b): "out of time" for b in budgets[k:]})
             break
-        warm = backend.generate_one(0, budget, warmup_params, time.perf_counter(), deadline)
+        warm_start = time.perf_counter()
+        warm = backend.generate_one(0, budget, warmup_params, warm_start, None if untimed_warmups else deadline)
+        if untimed_warmups:
+            deadline += time.perf_counter() - warm_start
         if not (warm.success and timed(0, budget)):
             skipped.update({str(b): "out of time" for b in budgets[k:]})
             break
