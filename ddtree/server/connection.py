@@ -55,7 +55,6 @@ class TimedHttpProtocol(HttpToolsProtocol):
         if self._in_head:  # a head not ended by this data (the parser holds a header until it ends)
             self._head_bytes_received += len(data)
             if self._head_bytes_received > self.max_head_bytes:
-                self._head_bytes = self._head_bytes_received
                 self.logger.warning(self._head_refusal())
                 self.send_400_response(self._head_refusal())
                 return

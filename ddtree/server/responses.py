@@ -26,7 +26,7 @@ class EventStream(StreamingResponse):
     """A StreamingResponse whose body iterator yields (text, last): the last text goes out with the
     end of the body (`more_body` False), so that the stream's last chunk, "data: [DONE]" and the
     chunked encoding's terminator leave in one socket write. A client that stops reading at
-    "data: [DONE]" (most do) then finds the response complete and keeps the connection for its next
+    "data: [DONE]" (many do) then finds the response complete and keeps the connection for its next
     request; with the terminator in a write of its own it often does not, and reconnects."""
 
     async def __call__(self, scope, receive, send) -> None:
