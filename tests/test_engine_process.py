@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 from ddtree.config import SamplingParams
 from ddtree.llm import LLM
 from ddtree.server.engine_client import EngineClient
+from ddtree.server.engine_process import FrameReader, write_frame
 from ddtree.server.worker import DEAD, READY, EngineFailure, EngineUnavailable, Job, QueueFull
 from ddtree.tree_shape import AR, TreeShape
 from server_process import LiveServer, metric, metric_values
@@ -104,6 +107,47 @@ def test_a_spawned_engine_process_decodes_as_in_process(engine, demo_pair):
     tokens, result = asyncio.run(run())
     solo = LLM(*demo_pair, device="cpu", max_model_len=512).generate("def fib(n):", SamplingParams(max_tokens=24), 16)
     assert tokens == result.token_ids == solo.token_ids
+
+
+def test_frames_cut_anywhere_read_as_the_messages_written(tmp_path):
+    """The events pipe's frames, read in whatever pieces the pipe gives (one frame over a pipe's
+    64 KiB buffer), are the messages written, in order."""
+    messages = [[(0, "x" * 100_000)], [(1, None), (2, [1, 2, 3])], [], [(3, ValueError("gone"))]]
+    path = tmp_path / "frames"
+    with path.open("wb") as f:
+        for message in messages:
+            write_frame(f.fileno(), message)
+    data = path.read_bytes()
+    rng = random.Random(0)
+    for _ in range(20):
+        reader, read, start = FrameReader(), [], 0
+        while start < len(data):
+            end = min(len(data), start + rng.choice([1, 3, 7, 4096, 70_000]))
+            read += reader.messages(data[start:end])
+            start = end
+        assert read[:3] == messages[:3] and len(read) == 4 and not reader.buffer
+        (key, exc), = read[3]  # an exception does not compare equal to its copy
+        assert key == 3 and isinstance(exc, ValueError) and str(exc) == "gone"
+
+
+def test_round_events_are_read_on_the_event_loop_of_their_jobs(engine, monkeypatch):
+    """The events pipe is read by the jobs' event loop itself (no thread's hand-off to it), and by
+    the next loop once that one has closed."""
+    client = engine(max_num_seqs=1)
+    threads = []
+    deliver = client._deliver
+    monkeypatch.setattr(client, "_deliver", lambda pairs: (threads.append(threading.current_thread()), deliver(pairs)))
+
+    async def run(prompt):
+        one = job(client, asyncio.get_running_loop(), prompt, 12, ignore_eos=True)
+        client.submit(one)
+        return await drain(one)
+
+    for prompt in ("def fib(n):", "import os"):
+        threads.clear()
+        tokens, result = asyncio.run(run(prompt))
+        assert len(tokens) == 12 == len(result.token_ids)
+        assert threads and set(threads) == {threading.main_thread()}
 
 
 def test_cancel_reaches_the_engine_and_the_budget_is_chosen_there(engine):

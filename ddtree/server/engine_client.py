@@ -2,23 +2,26 @@
 `ddtree serve` make of an `EngineWorker` (submit, state, /health's facts, stop, abort_all,
 abandon, stalled_for, waiting, render_metrics), answered over the pipe.
 
-A thread reads the pipe: each round's items go to their jobs' event loops with one wake-up
-(`worker.emit_all`), as the engine thread's do in one process. The front keeps its own view of
+A thread reads the control pipe (the engine's state, /metrics' answers). Each round's items come
+on the events pipe, which the event loop of the jobs (the app's) reads itself: they reach their
+streams without a thread's hand-off to the loop in between (`_watch_events`). The front keeps its own view of
 the jobs it has sent, so that it can bound the queue, tell a stalled engine from an idle one, and
 end every job at once when the engine process dies (a crash, the kernel's OOM killer) or is
 abandoned: a running job then gets EngineFailure (500), a queued one EngineUnavailable (503).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from typing import Callable
 
 from ddtree.models.tokenizer import load_tokenizer
-from ddtree.server.engine_process import run_engine
+from ddtree.server.engine_process import FrameReader, run_engine
 from ddtree.server.front_model import FrontModel
 from ddtree.server.worker import (
     DEAD,
@@ -57,6 +60,9 @@ class EngineClient:
         self.tree_budget_mode = "fixed"
         self.process = None
         self._conn = None
+        self._events = None  # the read end of the events pipe (a Connection, read through its fd)
+        self._events_loop: asyncio.AbstractEventLoop | None = None  # the loop reading it
+        self._frames = FrameReader()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -85,20 +91,24 @@ class EngineClient:
         self._on_ready, self._on_load_failure = on_ready, on_load_failure
         context = multiprocessing.get_context("fork" if fork else "spawn")
         front_end, engine_end = context.Pipe()
-        # A forked child closes its copies of the front's end of the pipe (else it would never see the
-        # pipe close when the front dies) and of the listening sockets; a spawned one has none.
-        inherited = (*inherited, front_end) if fork else ()
+        events_in, events_out = context.Pipe(duplex=False)
+        # A forked child closes its copies of the front's ends of the pipes (else it would never see
+        # the control pipe close when the front dies) and of the listening sockets; a spawned one has none.
+        inherited = (*inherited, front_end, events_in) if fork else ()
         self.process = context.Process(target=run_engine, name="ddtree-engine",
-                                       args=(engine_end, load, self.model_name, self.options, inherited,
+                                       args=(engine_end, events_out, load, self.model_name, self.options, inherited,
                                              logging.getLogger().level))
         self.process.start()
         engine_end.close()
+        events_out.close()
         self._conn = front_end
+        self._events = events_in
+        os.set_blocking(events_in.fileno(), False)  # read by an event loop: what has arrived, never more
         if target_path is not None:
             self._preload = threading.Thread(target=self._load_tokenizer, args=(target_path,), daemon=True)
             self._preload.start()
-        # A thread reads the pipe, not the event loop: uvloop's add_reader would make the pipe
-        # non-blocking, and a message read or written in part would then fail.
+        # A thread reads the control pipe, not the event loop: it is written by the front too, and
+        # uvloop's add_reader would make it non-blocking (a message written in part would then fail).
         threading.Thread(target=self._read, name="ddtree-engine-pipe", daemon=True).start()
 
     def _load_tokenizer(self, target_path) -> None:
@@ -129,6 +139,11 @@ class EngineClient:
                 self.state = STOPPED
         if self._conn is not None:
             self._conn.close()
+        if self._events_loop is not None and not self._events_loop.is_closed():
+            try:
+                self._events_loop.call_soon_threadsafe(self._unwatch_events)
+            except RuntimeError:  # closed meanwhile
+                pass
         if self.process is not None:
             self.process.join(timeout)
             if self.process.is_alive():
@@ -178,6 +193,7 @@ class EngineClient:
                 self._progress_at = time.monotonic()  # an idle engine has not been stalling
             key = next(self._keys)
             self._jobs[key] = job
+        self._watch_events(job.loop)
         job.on_cancel = lambda: self._cancel(key)
         if not self._send(("submit", key, job.prompt_ids, job.params, job.budget, job.adaptive, job.request_id,
                            job.arrival)):
@@ -212,7 +228,52 @@ class EngineClient:
         finally:
             self._replies.pop(reply_id, None)
 
-    # -- the pipe ----------------------------------------------------------------------------
+    # -- the pipes ---------------------------------------------------------------------------
+
+    def _watch_events(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Have `loop` (a submitted job's: the app's) read the events pipe, from the first job on,
+        and again after a loop that read it has stopped (tests run one loop after another). Called
+        on `loop`'s own thread (the app's handlers submit there), else asked of it."""
+        if loop is None or loop is self._events_loop or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            loop.call_soon_threadsafe(self._watch_events, loop)
+            return
+        previous = self._events_loop
+        if previous is not None and previous.is_running():
+            return  # the server's one loop reads it; a job of another loop gets its items from there
+        if previous is not None and not previous.is_closed():
+            previous.remove_reader(self._events.fileno())  # stopped: it reads nothing more
+        self._events_loop = loop
+        loop.add_reader(self._events.fileno(), self._read_events)
+
+    def _unwatch_events(self) -> None:
+        loop = self._events_loop
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._events.fileno())
+
+    def _read_events(self) -> None:
+        """On the event loop: the rounds' items that have arrived, to their jobs (`_deliver`)."""
+        chunks = []
+        try:
+            while True:
+                data = os.read(self._events.fileno(), 1 << 16)
+                if not data:  # the engine process has ended; the control pipe's reader says why
+                    self._unwatch_events()
+                    break
+                chunks.append(data)
+                if len(data) < 1 << 16:
+                    break
+        except BlockingIOError:
+            pass
+        except OSError:  # closed here (`close`)
+            self._unwatch_events()
+        for pairs in self._frames.messages(b"".join(chunks)):
+            self._deliver(pairs)
 
     def _send(self, message: tuple) -> bool:
         """Send a message to the engine; False when its process is gone."""
@@ -234,9 +295,7 @@ class EngineClient:
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "items":
-            self._deliver(message[1])
-        elif kind == "metrics":
+        if kind == "metrics":
             waiter = self._replies.get(message[1])
             if waiter is not None:
                 waiter[1] = message[2]

@@ -3,23 +3,27 @@
 The HTTP front (event loop, tokenizer, request checks) and the engine (the `EngineWorker` thread
 that launches every round) used to share one interpreter lock, so the server's Python and the
 engine's took turns and their costs added. Here the engine runs the same `EngineWorker` in a
-forked child, and the two talk over one pipe (`multiprocessing.Pipe`), in messages of plain
-tuples:
+forked child, and the two talk over two pipes. The control pipe (`multiprocessing.Pipe`) carries
+messages of plain tuples:
 
     front -> engine   ("submit", key, prompt_ids, params, budget, adaptive, request_id, arrival)
                       ("cancel", key)  ("metrics", reply_id)  ("abort_all", reason)  ("stop", timeout)
     engine -> front   ("ready", EngineInfo)  ("load_failed", exception)  ("dead", message)
-                      ("items", [(key, StreamEvent or exception), ...])   one message per round
                       ("metrics", reply_id, (text, content type))  ("stopped", ok)
 
+and a one-way events pipe carries each round's items, [(key, StreamEvent or exception), ...],
+as frames (`write_frame`) that the front's event loop reads itself (`FrameReader`): a thread
+reading them would add a wake-up of the loop to every round's events.
+
 The child ignores SIGINT and SIGTERM (the front drains its requests, then sends "stop"), and
-exits when the pipe closes (the front is gone, however it ended). The front's side is
+exits when the control pipe closes (the front is gone, however it ended). The front's side is
 `ddtree.server.engine_client.EngineClient`.
 """
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import threading
 from typing import Callable
@@ -32,13 +36,48 @@ from ddtree.server.worker import EngineUnavailable, EngineWorker, Job, QueueFull
 log = logging.getLogger("ddtree.server")
 
 
-class PipeSender:
-    """The engine's end of the pipe: whole messages, one writer at a time (the engine thread sends
-    each round's items; the loading thread and the main thread send the rest)."""
+FRAME_HEADER = 8  # bytes: a frame's payload length, little-endian, before the payload
 
-    def __init__(self, conn):
+
+def write_frame(fd: int, message: object) -> None:
+    """`message` pickled, as one frame, to a blocking pipe (whole: a pipe may take a large write
+    in parts)."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(len(payload).to_bytes(FRAME_HEADER, "little") + payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class FrameReader:
+    """The front's side of `write_frame`: the bytes read so far -> every whole message in them."""
+
+    def __init__(self):
+        self.buffer = bytearray()
+
+    def messages(self, data: bytes) -> list:
+        self.buffer += data
+        out, start, end = [], 0, len(self.buffer)
+        while end - start >= FRAME_HEADER:
+            size = int.from_bytes(self.buffer[start:start + FRAME_HEADER], "little")
+            if end - start - FRAME_HEADER < size:
+                break
+            start += FRAME_HEADER
+            out.append(pickle.loads(self.buffer[start:start + size]))
+            start += size
+        del self.buffer[:start]
+        return out
+
+
+class PipeSender:
+    """The engine's ends of the pipes: whole messages, one writer at a time on each (the engine
+    thread writes each round's items to the events pipe; the loading thread and the main thread
+    send the rest on the control pipe)."""
+
+    def __init__(self, conn, events):
         self.conn = conn
+        self.events_fd = events.fileno()
         self.lock = threading.Lock()
+        self.events_lock = threading.Lock()
         self.keys: dict[int, int] = {}  # id(Job) -> the front's key, while the job runs
 
     def send(self, message: tuple) -> None:
@@ -59,22 +98,26 @@ class PipeSender:
                 del self.keys[id(job)]
             out.append((key, item))
         if out:
-            self.send(("items", out))
+            with self.events_lock:
+                try:
+                    write_frame(self.events_fd, out)
+                except (BrokenPipeError, OSError):
+                    pass  # the front is gone; the main thread exits on the closed control pipe
 
 
-def run_engine(conn, load: Callable[[], tuple], model_name: str, options: dict, inherited=(),
+def run_engine(conn, events, load: Callable[[], tuple], model_name: str, options: dict, inherited=(),
                log_level: int = logging.INFO) -> None:
-    """The engine process's main. load() -> (llm, tree budget mode) runs in a thread, so that the
-    pipe is read (/metrics answered) while the model loads. options: EngineWorker's limits.
-    inherited: objects to close that the fork copied (the front's listening sockets and its end of
-    the pipe)."""
+    """The engine process's main. conn: the control pipe; events: the write end of the events pipe.
+    load() -> (llm, tree budget mode) runs in a thread, so that the pipe is read (/metrics
+    answered) while the model loads. options: EngineWorker's limits. inherited: objects to close
+    that the fork copied (the front's listening sockets and its ends of the pipes)."""
     for thing in inherited:
         thing.close()
     # A spawned process starts with no logging set up (a forked one has the front's: this is a no-op).
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sender = PipeSender(conn)
+    sender = PipeSender(conn, events)
     worker = EngineWorker(ServerMetrics(model_name), lambda exc: sender.send(("dead", worker.error)),
                           max_queued=None, **options)  # the front bounds the queue
     threading.Thread(target=_load_and_attach, args=(load, worker, sender), name="ddtree-load", daemon=True).start()
