@@ -251,26 +251,23 @@ def test_a_finished_job_is_counted_by_the_time_its_client_can_ask(demo_pair, max
     llm = LLM(*demo_pair, device="cpu", max_model_len=96, max_num_seqs=max_num_seqs)
     worker = EngineWorker(ServerMetrics("m"))
     worker.attach(llm)
-    readers = []
+    texts, readers = [], []
 
     def read_metrics():
-        readers.append(worker.render_metrics()[0].decode())
+        texts.append(worker.render_metrics()[0].decode())
 
     def sink(pairs):  # the client's side: once it has the answer, it asks for /metrics
         for _, item in pairs:
             if item.result is not None:
-                reader = threading.Thread(target=read_metrics)
-                reader.start()
-                reader.join(0.2)  # time enough to read them, were the recording not waited for
+                readers.append(threading.Thread(target=read_metrics))
+                readers[-1].start()
+                readers[-1].join(0.2)  # time enough to read them, were the recording not waited for
 
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     worker.submit(Job(llm.prompt_ids("def f(x):"), params, AR, None, sink=sink))
     assert worker.stop(60)
-    deadline = 10.0
-    while not readers and deadline > 0:
-        deadline -= 0.05
-        threading.Event().wait(0.05)
-    values = metric_values(readers[0])
+    readers[0].join(10)
+    values = metric_values(texts[0])
     assert metric(values, "vllm:request_success_total", finished_reason="length") == 1
     assert metric(values, "vllm:generation_tokens_total") == 5
 
