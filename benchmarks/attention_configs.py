@@ -3,7 +3,7 @@ heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch
 attention, for the token counts of a round.
 
     python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|onewave|none]
-        [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--output FILE.json]
+        [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--cudnn-prefix] [--output FILE.json]
 
 For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
 is 16) over the context plus the tree, with the KV length rounded up to the engine's 256-slot
@@ -11,8 +11,11 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 (CUDA-graph replay of 10 calls) of every tiling, of the default one, and of
 `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
-bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--sweep tilings` (the default)
-tries 72 tilings (at head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG tilings (where LONG starts to pay);
+bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--cudnn-prefix` also times the
+default tiling with the prefix's first keys through cuDNN (`tree_attention.cudnn_prefix`, switched
+on for the call, min_prefix = the context). `--sweep tilings` (the default) tries 72 tilings (at
+head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG
+tilings (where LONG starts to pay);
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own
 (its programs over 16, 32 or 64 head dims each), at 1, 2 and 4 programs per SM, loading 8192 or
 32768 partial-sum elements at once; `--sweep onewave` one program an SM (the key splits fill one
@@ -32,6 +35,7 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
+from ddtree.kernels import tree_attention
 from ddtree.kernels.tree_attention import DEFAULT, LONG, AttentionConfig, masked_attention, prefix_block_mask
 from ddtree.tree import build_tree
 
@@ -76,6 +80,15 @@ def sdpa_us(q, k, v, block, prefix) -> float:
     return call_us(fn)
 
 
+def cudnn_prefix_us(q, k, v, block, prefix) -> float:
+    """The default tiling with keys [0, CONTEXT) through cuDNN (the opt-in path, on for this call)."""
+    tree_attention.CUDNN_PREFIX = True
+    try:
+        return call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix, min_prefix=CONTEXT))
+    finally:
+        tree_attention.CUDNN_PREFIX = False
+
+
 def main() -> None:
     global HQ, HKV, D, CONTEXT
     ap = argparse.ArgumentParser(description=__doc__)
@@ -84,6 +97,8 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
     ap.add_argument("--context", default=str(CONTEXT), help="cached tokens before the tree, comma-separated")
     ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
+    ap.add_argument("--cudnn-prefix", action="store_true",
+                    help="also time the default tiling with the prefix's first keys through cuDNN (min_prefix = the context)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
@@ -113,6 +128,7 @@ def main() -> None:
         row = {"context": CONTEXT, "tokens": n, "kv_len": k.shape[0], "floor_us": floor_us(n, k.shape[0], ceilings),
                "sdpa_us": None if args.no_sdpa else sdpa_us(q, k, v, block, prefix),
                "default_us": call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix)),
+               "cudnn_prefix_us": cudnn_prefix_us(q, k, v, block, prefix) if args.cudnn_prefix else None,
                "configs": []}
         for cfg in configs:
             if cfg.block_m == 128 and n * (HQ // HKV) <= 64:
@@ -129,6 +145,7 @@ def main() -> None:
         sdpa = "-" if row["sdpa_us"] is None else f"{row['sdpa_us']:.1f}"
         print(f"ctx {CONTEXT:6d} N={n:5d} kv {k.shape[0]:6d}  floor {row['floor_us']:8.1f} us  sdpa {sdpa} us  "
               f"default {row['default_us']:8.1f} us (x{row['default_us'] / row['floor_us']:.2f})"
+              + (f"  with cuDNN's prefix {row['cudnn_prefix_us']:8.1f} us" if args.cudnn_prefix else "")
               + (f"  best {best['us']:8.1f} us {best}" if best else ""), flush=True)
     result = {"benchmark": "attention_configs", "command": "python benchmarks/attention_configs.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),

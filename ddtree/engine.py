@@ -279,7 +279,8 @@ class Engine:
         # Recurrent layers (hybrid targets) read the tree's shape and stash what the commit needs:
         # a verify never writes their state, so a graph's warm-up run cannot advance it.
         meta = AttentionMeta(n + bufs.offsets, kv_len, prefix_len=n, block_mask=tree.visible,
-                             parents=tree.parents, depths=tree.depths, scratch=bufs.scratch)
+                             min_prefix=self._min_prefix(budget, kv_len), parents=tree.parents, depths=tree.depths,
+                             scratch=bufs.scratch)
         taps = self.feature_layers if budget.drafts else None
         logits, features = self.target(tree.tokens, n + tree.depths, meta, self.cache, taps)
         if features is not None:
@@ -478,6 +479,13 @@ class Engine:
         """KV slots the front reads at committed length host_n: the tree's (or block's) scratch
         slots included, rounded up to the bucket."""
         return self._bucket_len(host_n + max(budget.nodes(self.block_size), self.block_size))
+
+    def _min_prefix(self, budget: TreeShape, kv_len: int) -> int:
+        """The least committed length n a front at kv_len runs at: it runs where
+        `_front_kv_len(budget, n_bound) == kv_len`, so n_bound > kv_len - kv_bucket - the slots it adds,
+        and n_bound (the host's n plus at most one unread round's keep) exceeds n by at most keep."""
+        added = max(budget.nodes(self.block_size), self.block_size)
+        return max(0, kv_len - self.kv_bucket - added + 1 - self.buffers[budget].keep)
 
     def front_kv_lens(self, budget: TreeShape) -> list[int]:
         """Every KV length the front can run at for sequences of up to max_model_len tokens."""

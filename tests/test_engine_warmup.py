@@ -35,6 +35,22 @@ def test_front_buckets_cover_every_length(llm, budget):
     assert lens[0] >= size and lens[-1] >= MAX_LEN - 1 + size  # the scratch slots always fit
 
 
+@pytest.mark.parametrize("budget", ["ar", "chain", 7, 64])
+def test_min_prefix_bounds_every_committed_length_a_front_runs_at(llm, budget):
+    """A front at kv_len runs wherever the host's bound n_bound (its n plus an unread round's keep
+    at most) maps to kv_len, at any n in [n_bound - keep, n_bound]; `_min_prefix` is at most every
+    such n (tree attention may hand keys below it to cuDNN) and equals the least of them."""
+    engine, budget = llm.engine, parse_tree_budget(budget)
+    llm.warmup(budget)
+    keep = engine.buffers[budget].keep
+    least: dict[int, int] = {}
+    for n_bound in range(MAX_LEN):
+        kv_len = engine._front_kv_len(budget, n_bound)
+        least[kv_len] = min(least.get(kv_len, n_bound), max(0, n_bound - keep))
+    for kv_len, n in least.items():
+        assert engine._min_prefix(budget, kv_len) == n
+
+
 def test_warmup_prepares_the_budget(llm):
     llm.warmup(16)
     assert TreeShape.best(16) in llm.engine.buffers

@@ -240,3 +240,85 @@ def test_head_dim_256_tilings_equal_reference(n, context):
     got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), 0.0625,
                            prefix_len=torch.tensor(context, device=DEVICE), config=config)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, 0.0625).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def library_partials(q, k, v, keys, splits, scale):
+    """`tree_attention.cudnn_prefix`'s outputs made in float64 by PyTorch: each chunk's normalised
+    output [splits, Hkv, rows, D] in q's dtype and its natural-log denominators [splits, Hkv, rows]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    rows = n * (hq // hkv)
+    qf = q.double().view(n, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
+    chunk = keys // splits
+    outs, lses = [], []
+    for s in range(splits):
+        kk = k[s * chunk:(s + 1) * chunk].double().transpose(0, 1)  # [Hkv, chunk, D]
+        vv = v[s * chunk:(s + 1) * chunk].double().transpose(0, 1)
+        logits = qf @ kk.transpose(1, 2) * scale
+        outs.append(torch.softmax(logits, -1) @ vv)
+        lses.append(torch.logsumexp(logits, -1))
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
+
+
+@pytest.mark.parametrize("n,hq,hkv,d,context,library_keys,lib_splits", [
+    (9, 4, 2, 16, 300, 128, 1),   # 36 rows: one row block; the kernel's part starts mid-prefix
+    (9, 4, 2, 16, 300, 256, 4),   # 44 keys of prefix left to the kernel: no whole key block
+    (40, 4, 1, 16, 520, 384, 3),  # 160 rows: three row blocks
+    (5, 2, 2, 32, 200, 200, 2),   # the library takes the whole prefix: the kernel sees the tree alone
+])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_library_partials_merge_in_the_combine(n, hq, hkv, d, context, library_keys, lib_splits, splits):
+    """Partial sums of the prefix's first keys made elsewhere (cuDNN on a GPU; here PyTorch, in
+    `cudnn_prefix`'s layout) merged by the kernel's combine launch with its own part (the rest of
+    the prefix and the tree's block): the whole attention, against float64."""
+    kv_len = context + n + 11
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + library_keys, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    o, lse = library_partials(q, k, v, library_keys, lib_splits, d**-0.5)
+    got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), d**-0.5, splits=splits,
+                           prefix_len=torch.tensor(context, device=DEVICE), prefix_partials=(o, lse, library_keys))
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_cudnn_splits_by_head_dim():
+    """16 chunks at head_dim <= 128; one wave of 128-row programs at 256 (the H200's best); never
+    chunks under 512 keys; always a power of two."""
+    from ddtree.kernels.tree_attention import cudnn_splits
+    assert cudnn_splits(rows=260, kv_heads=8, head_dim=128, keys=32768, sms=132) == 16
+    assert cudnn_splits(rows=390, kv_heads=4, head_dim=256, keys=8192, sms=132) == 8
+    assert cudnn_splits(rows=1542, kv_heads=4, head_dim=256, keys=8192, sms=132) == 2
+    assert cudnn_splits(rows=102, kv_heads=4, head_dim=256, keys=32768, sms=132) == 16
+    assert cudnn_splits(rows=260, kv_heads=8, head_dim=128, keys=3072, sms=132) == 4
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("context,n,heads", [(32768, 65, (32, 8, 128)), (32768, 257, (32, 8, 128)),
+                                             (131072, 65, (32, 8, 128)), (8192, 65, (24, 4, 256)),
+                                             (8192, 257, (24, 4, 256)), (32768, 257, (24, 4, 256))])
+def test_cudnn_prefix_bf16_and_graph(context, n, heads, monkeypatch):
+    """A tree's verify over a long context with the prefix's first keys through cuDNN (switched on,
+    min_prefix given): equal to float64 attention and close to the kernel alone; a CUDA-graph
+    replay equals the eager call exactly, and follows the cache's contents."""
+    from ddtree.engine import capture_graph
+    from ddtree.kernels import tree_attention
+
+    hq, hkv, d = heads
+    kv_len = -(-(context + n) // 256) * 256
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block, prefix = mask[:, context:context + n].contiguous(), torch.tensor(context, device=DEVICE)
+    monkeypatch.setattr(tree_attention, "CUDNN_PREFIX", True)
+    least = context - 300 if context - 300 >= tree_attention.CUDNN_MIN_KEYS else context
+    assert tree_attention._cudnn_keys(q, k, least) == least // 1024 * 1024
+    run = lambda: masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix, min_prefix=least)  # noqa: E731
+    eager = run()
+    want = reference(q, k, v, mask, d**-0.5)
+    torch.testing.assert_close(eager.double(), want, atol=2e-2, rtol=2e-2)
+    alone = masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix)
+    assert (eager.double() - want).abs().max() <= 2 * (alone.double() - want).abs().max() + 1e-3
+    graph, out = capture_graph(run)
+    graph.replay()
+    assert torch.equal(out, eager)
+    k[: context // 2].mul_(-1)  # the graph reads the cache as it is at replay
+    graph.replay()
+    assert torch.equal(out, run())

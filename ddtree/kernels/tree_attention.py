@@ -33,6 +33,10 @@ combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us 
 
 Exact attention (online softmax in float32); it differs from PyTorch's only in summation order.
 
+Opt-in (`DDTREE_CUDNN_PREFIX=1`, `cudnn_prefix`): a long prefix's first keys through cuDNN, in
+chunks run as a batch, merged in the combine launch; faster for the attention alone at many rows,
+not yet for a whole round (the measurements are at CUDNN_PREFIX).
+
 Tried and not kept: the prefix's key and value tiles through Hopper's TMA (tensor descriptors),
 with and without Triton's warp specialisation of the loop: 5-10% slower than these loads at
 Qwen3-8B heads over 32k keys (N = 17, 65, 257; attention_configs_h200_tma_8b.json), and the warp-
@@ -44,11 +48,16 @@ rows ((B + 1) x group rows leave `group` past whole 128-row blocks: 4 of 260 at 
 instead of a block of their own: 1.36-1.43x slower where it applied (H200, us per layer: 27B heads
 over 8192 keys, N = 65 64.3 -> 91.9, N = 257 143.0 -> 207.8; 8B heads over 32k keys, N = 65
 111.7 -> 151.9, N = 257 326.8 -> 465.9; attention_configs_h200_tail_{27b,8b}.json), the second
-accumulator beside a 128-row one costing more than the block it saved.
+accumulator beside a 128-row one costing more than the block it saved. And the next key block's
+q.k issued before this block's softmax (FlashAttention-3's overlap within a warp group, by hand):
+slower at every shape timed (H200, us per layer: 8B heads over 32k keys N = 65 113.6 -> 137.5,
+N = 257 339.6 -> 408.6; 27B heads over 8192 keys N = 257 169.5 -> 206.0;
+attention_configs_h200_qk_ahead_{8b,27b}.json).
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -69,6 +78,7 @@ FOLD_MAX_PARTIALS = 512
 # few programs per SM, far below it; forced splits or many batch rows can pass it.
 MAX_SPLIT_TILES = 4096
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+log = logging.getLogger("ddtree.tree_attention")
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -129,6 +139,68 @@ LONG_256 = AttentionConfig(block_m=128, num_warps=8, num_stages=2, programs_per_
 # 64-row blocks at head_dim 256 (33-128 rows): 168 KB of shared memory, one program an SM as well.
 # Same run, N = 17 (102 rows): 28.5 -> 24.7 us, combine 21.1 -> 5.9.
 MID_256 = replace(DEFAULT, programs_per_sm=1)
+
+# Opt-in (DDTREE_CUDNN_PREFIX=1): a long prefix's first keys through cuDNN (PyTorch's
+# `_scaled_dot_product_cudnn_attention`, FlashAttention-3 class on Hopper), the keys cut into
+# chunks that run as a batch so that its programs fill the GPU, merged with the kernel's own part
+# (the prefix's last keys and the tree's block) by log-sum-exp in its combine launch. Off by
+# default because no whole round has gained from it yet. H200, us a layer (benchmarks/README.md,
+# "Long contexts"): the attention alone, kernel -> with cuDNN's prefix, Qwen3-8B heads over 32768
+# keys N = 17 49.2 -> 52.6, 65 113.1 -> 102.4, 257 330.3 -> 284.7; Qwen3.6-27B heads over 8192 keys
+# N = 17 28.0 -> 38.1, 65 49.8 -> 49.3, 257 174.4 -> 130.3, over 32768 N = 65 153.6 -> 119.3, 257
+# 586.5 -> 389.3 (attention_configs_h200_cudnn_prefix_{8b,27b}.json). Whole Qwen3-8B-shape rounds
+# at 32768 tokens, ms, off -> on: 16 7.85 -> 8.17, 64 10.49 -> 10.60, 256 22.10 -> 22.14: in a round
+# the kernel's part also holds the keys between the guaranteed prefix (below) and the real one,
+# up to CUDNN_QUANTUM + a KV bucket + the tree, which ate the gain.
+CUDNN_PREFIX = os.environ.get("DDTREE_CUDNN_PREFIX", "0") == "1"
+CUDNN_MIN_KEYS = 8192  # a guaranteed prefix at least this long
+CUDNN_MIN_ROWS = 65  # query rows per KV head
+# cuDNN's keys end at the guaranteed prefix rounded down to this: a new cuDNN plan (37-70 ms to
+# build on the H200) every 1024 keys.
+CUDNN_QUANTUM = 1024
+_CUDNN_FAILED: set = set()
+
+
+def cudnn_splits(rows: int, kv_heads: int, head_dim: int, keys: int, sms: int) -> int:
+    """Chunks of the keys for `cudnn_prefix` (a power of two, each at least 512 keys): 16 at
+    head_dim <= 128, where more waves of cuDNN's programs kept getting faster (H200, Qwen3-8B heads
+    over 32768 keys, N = 257: 1 / 4 / 16 chunks 389 / 307 / 240 us for cuDNN's call alone); at
+    head_dim 256 as many as fill one wave of its 128-row programs (Qwen3.6-27B heads over 8192 keys:
+    N = 65 8 chunks 32.0 us against 16 35.2; N = 257 2 chunks 97.5 against 16 104.7;
+    attention_cudnn_chunks_h200.json)."""
+    want = 16 if head_dim <= 128 else max(1, sms // (kv_heads * -(-rows // 128)))
+    want = max(1, min(want, 16, keys // 512))
+    return 1 << (want.bit_length() - 1)
+
+
+def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int, splits: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's attention of q [N, Hq, D] over keys [0, keys) of k, v [T, Hkv, D] (no mask; any
+    strides with a unit last one), the keys cut into `splits` chunks run as a batch -> (o, lse):
+    o [splits, Hkv, N * group, D] in q's dtype, each chunk's normalised output with rows in the
+    kernel's order (token * group + g); lse [splits, Hkv, N * group] float32, the natural log of
+    each row's softmax denominator over its chunk (scale applied)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    rows = n * (hq // hkv)
+    chunk = keys // splits
+    qf = q.view(n, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
+    kb = k.as_strided((splits, hkv, chunk, d), (chunk * k.stride(0), k.stride(1), k.stride(0), 1))
+    vb = v.as_strided((splits, hkv, chunk, d), (chunk * v.stride(0), v.stride(1), v.stride(0), 1))
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qf.expand(splits, hkv, rows, d), kb, vb, None, True, scale=scale)[:2]
+    return (o if o.stride(-1) == 1 else o.contiguous()), lse.reshape(splits, hkv, rows).float().contiguous()
+
+
+def _cudnn_keys(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> int:
+    """Keys [0, result) go through `cudnn_prefix` (0: none): on CUDA in 2-byte types, with many
+    rows and a guaranteed prefix of CUDNN_MIN_KEYS or more, unless cuDNN failed on this layout."""
+    n, hq, d = q.shape
+    if (not CUDNN_PREFIX or _INTERPRETED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16)
+            or min_prefix < CUDNN_MIN_KEYS or n * (hq // k.shape[1]) < CUDNN_MIN_ROWS or d % 8 or d > 256
+            or (q.dtype, d) in _CUDNN_FAILED):
+        return 0
+    return min_prefix // CUDNN_QUANTUM * CUDNN_QUANTUM
 
 
 def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes: int = 2) -> AttentionConfig:
@@ -207,23 +279,47 @@ def prefix_block_mask(prefix_len: torch.Tensor, block: torch.Tensor, kv_len: int
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                      ranges: torch.Tensor | None = None, splits: int | None = None,
-                     config: AttentionConfig | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+                     config: AttentionConfig | None = None, prefix_len: torch.Tensor | None = None,
+                     min_prefix: int = 0, prefix_partials: tuple | None = None) -> torch.Tensor:
     """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one) -> out [N, Hq * D] in q's dtype.
 
     Without prefix_len: mask [N, T] bool (True: query i sees key j); ranges: `key_range(mask)` when
     already computed. With prefix_len ([] long on the device, prefix_len + M <= T): mask is a block
     [N, M] bool and query i sees keys < prefix_len and keys prefix_len + j where mask[i, j]
     (`prefix_block_mask`); ranges are not used. Every row must see at least one key. `splits`
-    overrides the key split (tests), `config` the tiling (default: `tiling`; benchmarks/attention_configs.py)."""
+    overrides the key split (tests), `config` the tiling (default: `tiling`; benchmarks/attention_configs.py).
+
+    min_prefix (prefix form): a lower bound of prefix_len that holds for every call of these shapes,
+    a CUDA graph's replays included. Where it is long and the rows many (`_cudnn_keys`), keys
+    [0, P), P = min_prefix rounded down to CUDNN_QUANTUM, go through cuDNN (`cudnn_prefix`) and
+    the kernel attends to the rest, merging both in its combine launch. prefix_partials: (o, lse, P)
+    in `cudnn_prefix`'s layout for keys [0, P), made by the caller instead (tests)."""
     n, hq, d = q.shape
-    t = k.shape[0]
-    config = config or tiling(n * (hq // k.shape[1]), t, d, element_bytes=q.element_size())
+    rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
+    if prefix and prefix_partials is None:
+        keys = _cudnn_keys(q, k, min_prefix)
+        if keys:
+            chunks = cudnn_splits(rows, k.shape[1], d, keys, _sm_count(q.device))
+            try:
+                prefix_partials = (*cudnn_prefix(q, k, v, keys, chunks, scale), keys)
+            except RuntimeError as exc:  # this cuDNN does not take the layout: the kernel alone from now on
+                # (a graph's capture is preceded by an eager run, which fails first)
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                _CUDNN_FAILED.add((q.dtype, d))
+                log.warning("cuDNN attention failed (%s); the Triton kernel attends alone", str(exc)[:200])
+    key0 = 0
+    if prefix_partials is not None:
+        key0 = prefix_partials[2]
+        k, v = k[key0:], v[key0:]
+    t = k.shape[0]
+    config = config or tiling(rows, t, d, element_bytes=q.element_size())
     if prefix:
         ranges = prefix_len.reshape(1)  # the kernel reads the prefix length where the ranges would be
     elif ranges is None:
         ranges = key_range(mask)
-    return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config)
+    return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config, prefix_partials)
 
 
 def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float,
@@ -265,9 +361,11 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                    max_kv, scale, prefix, splits, config)
 
 
-def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, splits, config):
+def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, splits, config, library=None):
     """One `_attention` launch (and, when the partials are many, a `_combine_kernel` launch) over
-    `batch` rows of q's tokens; keys are split over [0, max_kv) of each row."""
+    `batch` rows of q's tokens; keys are split over [0, max_kv) of each row. library: (o, lse, P),
+    `cudnn_prefix`'s partial sums over the keys before k[0] (P of them; the prefix form, one
+    batch row), merged by the combine launch."""
     n, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
@@ -282,13 +380,18 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     keys_per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
     splits = triton.cdiv(max_kv, keys_per_split)
     grid = (triton.cdiv(rows, block_m), hkv, batch * splits)
-    if splits > 1:
+    split = splits > 1 or library is not None
+    if split:
         part_o = torch.empty(splits, hkv, batch * rows, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, hkv, batch * rows, 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
     tiles = grid[0] * grid[1] * batch  # each (row block, KV head, batch row) combines once
-    fold = splits > 1 and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS and tiles <= MAX_SPLIT_TILES
+    # The library's partials are merged by a combine launch of its own: in the fold, a tile's last
+    # split read them all alone (at Qwen3.6-27B heads over 8192 keys, N = 17, 16 chunks: 61 us a
+    # layer more than cuDNN's part; attention_configs_h200_cudnn_prefix_fold_27b.json).
+    fold = split and library is None and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS \
+        and tiles <= MAX_SPLIT_TILES
     arrivals = _arrival_counters(q.device) if fold else out  # unused unless folded
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     splits_p = triton.next_power_of_2(splits)
@@ -297,24 +400,28 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
                      keys_per_split, splits, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
-                     out.stride(0), out.stride(1),
-                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, FOLD=fold, PREFIX=prefix,
+                     out.stride(0), out.stride(1), library[2] if library is not None else 0,
+                     GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, FOLD=fold, PREFIX=prefix,
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
                      PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
                      num_stages=config.num_stages)
-    if splits > 1 and not fold:
-        _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config)
+    if split and not fold:
+        _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config, library)
     return out.view(n, hq * d)
 
 
 def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int, splits: int,
-                    config: AttentionConfig) -> None:
+                    config: AttentionConfig, library=None) -> None:
     """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
-    split at a time. Programs (row block, KV head, head-dim chunk)."""
+    split at a time, the library's partials (`_launch`) merged too. Programs (row block, KV head,
+    head-dim chunk)."""
     combine_d = min(config.combine_block_d, d)
     splits_p = triton.next_power_of_2(splits)
     tiled = config.combine_tiled if config.combine_tiled is not None else rows <= 16
+    tiled = tiled and library is None
+    lib_o, lib_lse, _ = library if library is not None else (out, out, 0)
+    lib_splits = lib_o.shape[0] if library is not None else 0
     if tiled:  # as few rows a program as let every split in at once, within combine_loads
         combine_m = max(1, min(16, config.combine_loads // (splits_p * combine_d)))
         combine_m = 1 << (combine_m.bit_length() - 1)  # a power of two
@@ -326,9 +433,11 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
         combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
         _combine_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
-            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), GROUP=group, D=d,
+            part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
+            *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
+            *(lib_lse.stride()[:2] if library is not None else (0, 0)), GROUP=group, D=d,
             BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED,
-            num_warps=4)
+            LIB_SPLITS=lib_splits, LIB_P=triton.next_power_of_2(max(lib_splits, 1)), num_warps=4)
 
 
 if triton is not None:
@@ -381,14 +490,16 @@ if triton is not None:
     @triton.jit
     def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, first_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr,
                    rows, kv_len, keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h,
-                   sm_n, so_n, so_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr, BATCHED: tl.constexpr,
-                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                   sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr,
+                   BATCHED: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
+                   LOOP_WHILE: tl.constexpr):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
         (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them.
-        PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols].
+        PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols]; k and v
+        start at key key0 (the keys before it summed by the library, merged by `_combine_kernel`).
         BATCHED: axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its keys start at
         slot first_ptr[b] of k and v, and its prefix length is range_ptr[b] (PREFIX), or each of its
         tokens' ranges and mask rows follow the previous row's (counted from that first slot)."""
@@ -416,7 +527,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if PREFIX:
-            prefix_len = tl.load(range_ptr + b).to(tl.int32)
+            prefix_len = tl.load(range_ptr + b).to(tl.int32) - key0
             first = 0
             last = prefix_len + block_cols
         else:
@@ -465,7 +576,8 @@ if triton is not None:
             if arrived == splits - 1:  # the tile's last split: every other split's partials are visible
                 tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch
                 _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), all_rows,
-                         splits, so_n, so_h, D, BLOCK_M, D, SPLITS_P, UNROLL, LOOP_WHILE)
+                         splits, so_n, so_h, D, BLOCK_M, D, SPLITS_P, UNROLL, LOOP_WHILE, part_o_ptr, part_ml_ptr,
+                         0, 0, 0, 0, 0, 0, 1)  # no library partials in the fold
         if not SPLIT:  # a row that saw no key (batch padding) gets zeros
             out = acc / tl.where(live & (l_i > 0), l_i, 1.0)[:, None]
             tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
@@ -493,15 +605,23 @@ if triton is not None:
     @triton.jit
     def _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, kv_heads, rows, splits, so_n, so_h,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
-                 UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                 UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr, lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s,
+                 sll_h, LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr):
         """The splits' partial sums of rows r (KV head h), head dims `dims` (BLOCK_D of D) -> the
-        normalised output there. Loads bypass L1 (`.cg`): the partials may have been written by
-        other programs of the same launch."""
+        normalised output there, with LIB_SPLITS more from the library (`cudnn_prefix`'s outputs,
+        each normalised, and its natural-log denominators: a partial of max lse * log2(e) and sum 1).
+        Loads bypass L1 (`.cg`): the partials may have been written by other programs of the same
+        launch."""
         sp = tl.arange(0, SPLITS_P)
         at = (sp[:, None] * kv_heads + h) * rows + r[None, :]  # [SPLITS_P, BLOCK_M]
         ok = (sp[:, None] < splits) & live[None, :]
         m = tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
         top = tl.max(m, 0)
+        if LIB_SPLITS > 0:
+            ls = tl.arange(0, LIB_P)
+            lib_m = tl.load(lib_lse_ptr + ls[:, None] * sll_s + h * sll_h + r[None, :],
+                            mask=(ls[:, None] < LIB_SPLITS) & live[None, :], other=float("-inf")) * 1.4426950408889634
+            top = tl.maximum(top, tl.max(lib_m, 0))
         top = tl.where(top == float("-inf"), 0.0, top)
         w = tl.exp2(m - top[None, :])  # a split that saw nothing: 0
         total = tl.sum(w * tl.load(part_ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg"), 0)
@@ -516,21 +636,32 @@ if triton is not None:
             for first in range(0, splits, UNROLL):
                 acc = _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, splits, kv_heads, h, rows, r, live,
                                      dims, D, UNROLL)
+        if LIB_SPLITS > 0:
+            total += tl.sum(tl.exp2(lib_m - top[None, :]), 0)
+            for u in tl.static_range(LIB_SPLITS):
+                wl = tl.exp2(tl.load(lib_lse_ptr + u * sll_s + h * sll_h + r, mask=live, other=float("-inf"))
+                             * 1.4426950408889634 - top)
+                o = tl.load(lib_o_ptr + u * slo_s + h * slo_h + r[:, None] * slo_r + dims[None, :], mask=live[:, None],
+                            other=0.0)
+                acc += wl[:, None] * o.to(tl.float32)
         out = acc / tl.where(live & (total > 0), total, 1.0)[:, None]  # no key seen: zeros
         tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, GROUP: tl.constexpr,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
-                        UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr):
+    def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, lib_o_ptr, lib_lse_ptr, slo_s,
+                        slo_h, slo_r, sll_s, sll_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
+                        LOOP_WHILE: tl.constexpr, LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
-        partials are too many for the last split to combine them (or `fold_combine` is off)."""
+        partials are too many for the last split to combine them, `fold_combine` is off, or the
+        library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, dims, h,
-                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE)
+                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE,
+                 lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
 
     @triton.jit
     def _split_tile(first, splits, kv_heads, h, rows, r, live, BLOCK_S: tl.constexpr):

@@ -154,7 +154,9 @@ class AttentionMeta:
     - `prefix_len` and `block_mask`: keys [0, prefix_len) (the committed context), then among keys
       prefix_len .. prefix_len + M - 1 those where block_mask [N, M] is True (a tree's ancestors,
       a drafter block's every column); later keys are padding. prefix_len: [] long on the device.
-      `tree_attention` reads this form directly; `mask` is made from it only where needed.
+      `tree_attention` reads this form directly; `mask` is made from it only where needed. With
+      `min_prefix`, a lower bound of prefix_len for every call this meta (or a graph made from
+      it) serves, the kernel may take a long prefix's first keys through cuDNN.
     - `mask` [N, kv_len] bool: True where query i may see key j (the drafter's sliding layers).
     - neither, with `causal`: plain causal attention from an empty cache (prefill).
 
@@ -181,6 +183,7 @@ class AttentionMeta:
     ranges: torch.Tensor | None = None  # `tree_attention.key_range(mask)` when the caller made it with the mask
     prefix_len: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
+    min_prefix: int = 0  # a bound prefix_len never falls below at these shapes (a graph's replays included)
     parents: torch.Tensor | None = None
     depths: torch.Tensor | None = None
     length: torch.Tensor | None = None
@@ -259,7 +262,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         return out[0].transpose(0, 1).reshape(n, hq * d)
     if q.is_cuda and tree_attention.supported(q, k):
         if meta.mask is None:
-            return tree_attention.masked_attention(q, k, v, meta.block_mask, scale, prefix_len=meta.prefix_len)
+            return tree_attention.masked_attention(q, k, v, meta.block_mask, scale, prefix_len=meta.prefix_len,
+                                                   min_prefix=meta.min_prefix)
         return tree_attention.masked_attention(q, k, v, meta.mask, scale, meta.key_range())
     qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
     bias = meta.bias(group, q.dtype, make_bias)[None, None]
