@@ -3,7 +3,7 @@ heads, head_dim 128; `--heads 24,4,256` is Qwen3.6-27B's), bf16, against PyTorch
 attention, for the token counts of a round.
 
     python benchmarks/attention_configs.py [--tokens 1,17,65,129,257,513,1025] [--sweep tilings|long|combine|onewave|none]
-        [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--cudnn-prefix] [--output FILE.json]
+        [--heads HQ,HKV,D] [--context 512,32768] [--no-sdpa] [--cudnn-prefix context|round] [--output FILE.json]
 
 For each context and N (1 = autoregressive step, B + 1 = verify of budget B; the drafter's block
 is 16) over the context plus the tree, with the KV length rounded up to the engine's 256-slot
@@ -13,7 +13,10 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
 bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--cudnn-prefix` also times the
 default tiling with the prefix's first keys through cuDNN (`tree_attention.cudnn_prefix`, switched
-on for the call, min_prefix = the context). `--sweep tilings` (the default) tries 72 tilings (at
+on for the call), below min_prefix = the context (`context`) or the least committed length a
+round's front graph at this KV length serves (`round`: a 256-slot bucket, the tree and a block of
+16's keep below it, as `Engine._min_prefix` gives), so that the kernel's part holds the keys a
+round leaves it. `--sweep tilings` (the default) tries 72 tilings (at
 head_dim 256 with 32- and 64-key blocks, else 64 and 128); `--sweep long` the DEFAULT and LONG
 tilings (where LONG starts to pay);
 `--sweep combine` the default tiling with the split combine in the kernel or launched on its own
@@ -80,11 +83,14 @@ def sdpa_us(q, k, v, block, prefix) -> float:
     return call_us(fn)
 
 
-def cudnn_prefix_us(q, k, v, block, prefix) -> float:
-    """The default tiling with keys [0, CONTEXT) through cuDNN (the opt-in path, on for this call)."""
+def cudnn_prefix_us(q, k, v, block, prefix, bound: str) -> float:
+    """The default tiling with the prefix's first keys through cuDNN (the opt-in path, on for this
+    call), below the context or below the engine's bound for a round at this KV length."""
+    n = q.shape[0]
+    least = CONTEXT if bound == "context" else max(0, k.shape[0] - BUCKET - n + 1 - 16)
     tree_attention.CUDNN_PREFIX = True
     try:
-        return call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix, min_prefix=CONTEXT))
+        return call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix, min_prefix=least))
     finally:
         tree_attention.CUDNN_PREFIX = False
 
@@ -97,8 +103,9 @@ def main() -> None:
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="query heads, KV heads, head_dim")
     ap.add_argument("--context", default=str(CONTEXT), help="cached tokens before the tree, comma-separated")
     ap.add_argument("--no-sdpa", action="store_true", help="skip PyTorch's masked attention (slow at long contexts)")
-    ap.add_argument("--cudnn-prefix", action="store_true",
-                    help="also time the default tiling with the prefix's first keys through cuDNN (min_prefix = the context)")
+    ap.add_argument("--cudnn-prefix", choices=("context", "round"), default=None,
+                    help="also time the default tiling with the prefix's first keys through cuDNN, below the "
+                         "context or below the least committed length a round at this KV length serves")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
@@ -128,7 +135,8 @@ def main() -> None:
         row = {"context": CONTEXT, "tokens": n, "kv_len": k.shape[0], "floor_us": floor_us(n, k.shape[0], ceilings),
                "sdpa_us": None if args.no_sdpa else sdpa_us(q, k, v, block, prefix),
                "default_us": call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix)),
-               "cudnn_prefix_us": cudnn_prefix_us(q, k, v, block, prefix) if args.cudnn_prefix else None,
+               "cudnn_prefix_us": cudnn_prefix_us(q, k, v, block, prefix, args.cudnn_prefix)
+               if args.cudnn_prefix else None,
                "configs": []}
         for cfg in configs:
             if cfg.block_m == 128 and n * (HQ // HKV) <= 64:

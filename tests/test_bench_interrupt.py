@@ -18,7 +18,10 @@ def test_sigint_leaves_the_partial_json_and_the_table(demo_pair, tmp_path):
     cmd = [sys.executable, "-m", "ddtree.cli", "bench", "--offline", "--target", str(target), "--draft", str(draft),
            "--device", "cpu", "--tree-budgets", "ar,chain,4", "--num-prompts", "2", "--max-tokens", "400",
            "--ignore-eos", "--warmup", "0", "--output", str(out), "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=quiet_env())
+    # SIGINT at its default in the child: a suite started as a background job (`cmd &` from a script)
+    # inherits it ignored, and a Python started so never turns it into KeyboardInterrupt.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=quiet_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     printed = []
     for line in proc.stdout:  # each row is flushed as its run ends
         printed.append(line)
