@@ -212,6 +212,45 @@ def test_a_killed_engine_process_ends_running_and_queued_jobs(engine):
         client.submit(Job([1, 2], SamplingParams(max_tokens=2), AR, None))
 
 
+def test_an_engine_failure_reaches_its_job_as_the_failure_with_the_state_already_dead(engine, monkeypatch):
+    """A round that raises in the engine process: its job ends with EngineFailure (a 500 naming
+    its request), never the 503 of a job that never ran, with the front's state DEAD by then, and
+    a job submitted after it is refused. The events pipe is read late here: the death travels on it
+    after the failing job's item, so no other path can end that job first."""
+    def failing_back(self, *args):
+        raise RuntimeError("device lost (injected by the test)")
+
+    monkeypatch.setattr("ddtree.engine.Engine._back", failing_back)  # before the fork: the engine process has it
+    deaths = []
+    client = engine(max_num_seqs=1, deaths=deaths)
+    read_events = client._read_events
+    monkeypatch.setattr(client, "_read_events", lambda: (time.sleep(0.2), read_events()))
+    seen = []
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        failing = job(client, loop, "def f(x):", 8)
+        client.submit(failing)
+        try:
+            while (await asyncio.wait_for(failing.next_event(), 60)).result is None:
+                pass  # the prompt's first token comes from the prefill; the first round fails
+        except (EngineFailure, EngineUnavailable) as exc:
+            seen.append((exc, client.state, len(deaths)))
+        later = job(client, loop, "x", 4)
+        try:
+            client.submit(later)
+        except EngineUnavailable as exc:
+            return exc
+        return (await drain(later))[1]
+
+    later_end = asyncio.run(run())
+    (failure, state, deaths_then), = seen
+    assert isinstance(failure, EngineFailure), failure
+    assert state == DEAD and deaths_then == 1
+    assert isinstance(later_end, EngineUnavailable)
+    assert len(deaths) == 1
+
+
 def engine_pid(server_pid: int) -> int:
     """The server's one child process (Linux)."""
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()

@@ -272,8 +272,11 @@ class EngineClient:
             pass
         except OSError:  # closed here (`close`)
             self._unwatch_events()
-        for pairs in self._frames.messages(b"".join(chunks)):
-            self._deliver(pairs)
+        for message in self._frames.messages(b"".join(chunks)):
+            if isinstance(message, tuple):  # ("dead", message): after the failing jobs' items
+                self._dead(message[1])
+            else:
+                self._deliver(message)
 
     def _send(self, message: tuple) -> bool:
         """Send a message to the engine; False when its process is gone."""
@@ -302,8 +305,6 @@ class EngineClient:
                 waiter[0].set()
         elif kind == "ready":
             self._ready(message[1])
-        elif kind == "dead":
-            self._dead(message[1])
         elif kind == "load_failed":
             with self._lock:
                 self.state = STOPPED
@@ -313,6 +314,9 @@ class EngineClient:
 
     def _deliver(self, pairs: list[tuple[int, object]]) -> None:
         """A round's items to their jobs; a job's last item (its result or an exception) ends it."""
+        failed = next((item for _, item in pairs if isinstance(item, EngineFailure)), None)
+        if failed is not None:  # before the failure reaches its client
+            self._mark_dead(f"{failed}; see the server log")
         out = []
         with self._lock:
             self._progress_at = time.monotonic()
@@ -349,13 +353,23 @@ class EngineClient:
             self._on_ready()
 
     def _dead(self, message: str) -> None:
-        """The engine failed (it has ended its jobs and logged why)."""
+        """On the event loop: the engine failed (it has logged why, and its failing jobs' items
+        have been delivered: they came before this on the events pipe). Ends the jobs left."""
+        self._mark_dead(message)
         with self._lock:
+            self.error = message
+        self._end_jobs(EngineFailure(message), EngineUnavailable(unavailable_reason(DEAD)))
+
+    def _mark_dead(self, message: str) -> None:
+        """The state DEAD and `on_death`, once: at a job's EngineFailure (so that /health says so
+        before its client hears) or at the engine's own notice, whichever comes first."""
+        with self._lock:
+            if self.state == DEAD:
+                return
             self.state = DEAD
             self.error = message
-        if self.on_death is not None:  # first, so that /health already says so when the clients hear
+        if self.on_death is not None:
             self.on_death(RuntimeError(message))
-        self._end_jobs(EngineFailure(message), EngineUnavailable(unavailable_reason(DEAD)))
 
     def _lost(self) -> None:
         """The pipe closed: the engine process ended. Expected once stopped or abandoned; otherwise

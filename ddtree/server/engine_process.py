@@ -8,12 +8,14 @@ messages of plain tuples:
 
     front -> engine   ("submit", key, prompt_ids, params, budget, adaptive, request_id, arrival)
                       ("cancel", key)  ("metrics", reply_id)  ("abort_all", reason)  ("stop", timeout)
-    engine -> front   ("ready", EngineInfo)  ("load_failed", exception)  ("dead", message)
+    engine -> front   ("ready", EngineInfo)  ("load_failed", exception)
                       ("metrics", reply_id, (text, content type))  ("stopped", ok)
 
 and a one-way events pipe carries each round's items, [(key, StreamEvent or exception), ...],
 as frames (`write_frame`) that the front's event loop reads itself (`FrameReader`): a thread
-reading them would add a wake-up of the loop to every round's events.
+reading them would add a wake-up of the loop to every round's events. The engine's failure,
+("dead", message), is a frame there too, after the failing jobs' own items: on a pipe of its own
+the front could hear it first and end those jobs with a 503 instead of their 500.
 
 The child ignores SIGINT and SIGTERM (the front drains its requests, then sends "stop"), and
 exits when the control pipe closes (the front is gone, however it ended). The front's side is
@@ -98,11 +100,18 @@ class PipeSender:
                 del self.keys[id(job)]
             out.append((key, item))
         if out:
-            with self.events_lock:
-                try:
-                    write_frame(self.events_fd, out)
-                except (BrokenPipeError, OSError):
-                    pass  # the front is gone; the main thread exits on the closed control pipe
+            self._write_event(out)
+
+    def dead(self, message: str) -> None:
+        """The worker failed (`EngineWorker.on_death`, called after the failing jobs' items)."""
+        self._write_event(("dead", message))
+
+    def _write_event(self, frame) -> None:
+        with self.events_lock:
+            try:
+                write_frame(self.events_fd, frame)
+            except (BrokenPipeError, OSError):
+                pass  # the front is gone; the main thread exits on the closed control pipe
 
 
 def run_engine(conn, events, load: Callable[[], tuple], model_name: str, options: dict, inherited=(),
@@ -118,7 +127,7 @@ def run_engine(conn, events, load: Callable[[], tuple], model_name: str, options
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sender = PipeSender(conn, events)
-    worker = EngineWorker(ServerMetrics(model_name), lambda exc: sender.send(("dead", worker.error)),
+    worker = EngineWorker(ServerMetrics(model_name), lambda exc: sender.dead(worker.error),
                           max_queued=None, **options)  # the front bounds the queue
     threading.Thread(target=_load_and_attach, args=(load, worker, sender), name="ddtree-load", daemon=True).start()
     jobs: dict[int, Job] = {}

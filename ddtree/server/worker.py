@@ -322,12 +322,16 @@ class EngineWorker:
         self._update_budget_gauge()
 
     def _fail(self, exc: BaseException, jobs: list[Job]) -> None:
-        """The engine failed while these jobs were decoding."""
+        """The engine failed while these jobs were decoding: the state first (so that /health says
+        so by the time their clients hear), then their failures, then the queued jobs' refusals and
+        `on_death` (`_die`). An engine process tells the front of the death after the failures, on
+        the same pipe, so that the front ends what is left only once they are in."""
         ids = ", ".join(job.request_id for job in jobs)
         log.exception("engine failed while decoding request %s", ids)
-        self._die(exc, ids)  # first, so that /health already says so when the clients hear
+        self._mark_dead(ids)
         for job in jobs:
             job.emit(EngineFailure(f"the engine failed while decoding request {job.request_id}"))
+        self._die(exc, ids)
 
     def _max_nodes(self) -> int:
         return batch_max_nodes(self.llm, self.max_tree_budget)
@@ -533,11 +537,14 @@ class EngineWorker:
 
             self.metrics.set_gpu_memory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
-    def _die(self, exc: BaseException, request_id: str) -> None:
+    def _mark_dead(self, request_id: str) -> None:
         with self._lock:
             self.state = DEAD
             # No internal message: /health is answered to anyone; the log has the traceback.
             self.error = f"the engine failed while decoding request {request_id}; see the server log"
+
+    def _die(self, exc: BaseException, request_id: str) -> None:
+        self._mark_dead(request_id)
         stopping = False
         while True:  # fail whatever is still queued
             try:
