@@ -314,10 +314,7 @@ class EngineClient:
 
     def _deliver(self, pairs: list[tuple[int, object]]) -> None:
         """A round's items to their jobs; a job's last item (its result or an exception) ends it."""
-        failed = next((item for _, item in pairs if isinstance(item, EngineFailure)), None)
-        if failed is not None:  # before the failure reaches its client
-            self._mark_dead(f"{failed}; see the server log")
-        out = []
+        out, failed = [], None
         with self._lock:
             self._progress_at = time.monotonic()
             for key, item in pairs:
@@ -327,9 +324,13 @@ class EngineClient:
                 if isinstance(item, BaseException) or item.result is not None:
                     del self._jobs[key]
                     self._started.discard(key)
+                    if isinstance(item, EngineFailure):
+                        failed = item
                 else:
                     self._started.add(key)
                 out.append((job, item))
+        if failed is not None:  # before the failure reaches its client
+            self._mark_dead(f"{failed}; see the server log")
         emit_all(out)
 
     def _ready(self, info) -> None:
