@@ -35,7 +35,11 @@ Exact attention (online softmax in float32); it differs from PyTorch's only in s
 
 Opt-in (`DDTREE_CUDNN_PREFIX=1`, `cudnn_prefix`): a long prefix's first keys through cuDNN, in
 chunks run as a batch, merged in the combine launch; faster for the attention alone at many rows,
-not yet for a whole round (the measurements are at CUDNN_PREFIX).
+in a whole round only at Qwen3.6-27B shape over 32k tokens (5% at budget 256; the measurements are
+at CUDNN_PREFIX). cuDNN through PyTorch in two forms that would take every prefix key was tried and
+not kept (benchmarks/README.md): with the key lengths on the device (the ragged form) it took 42-50
+ms a call and its graph capture failed; with an additive mask over a KV bucket's keys it was
+1.3-2.9x slower than without one.
 
 Tried and not kept: the prefix's key and value tiles through Hopper's TMA (tensor descriptors),
 with and without Triton's warp specialisation of the loop: 5-10% slower than these loads at
@@ -151,7 +155,14 @@ MID_256 = replace(DEFAULT, programs_per_sm=1)
 # 586.5 -> 389.3 (attention_configs_h200_cudnn_prefix_{8b,27b}.json). Whole Qwen3-8B-shape rounds
 # at 32768 tokens, ms, off -> on: 16 7.85 -> 8.17, 64 10.49 -> 10.60, 256 22.10 -> 22.14: in a round
 # the kernel's part also holds the keys between the guaranteed prefix (below) and the real one,
-# up to CUDNN_QUANTUM + a KV bucket + the tree, which ate the gain.
+# up to CUDNN_QUANTUM + a KV bucket + the tree, which ate the gain: with those keys left to the
+# kernel (attention_configs.py --cudnn-prefix round) 8B heads over 32768 keys took 113.2 -> 115.6 us
+# at N = 65 and 330.3 -> 326.7 at 257, while 27B heads kept most of theirs (N = 65 153.4 -> 135.6,
+# 257 588.8 -> 397.7; nothing at 8192 keys): Qwen3.6-27B-shape rounds at 32768 tokens, 64 21.53 ->
+# 21.35 ms, 256 41.20 -> 39.13 (attention_configs_h200_cudnn_prefix_round_{8b,27b}.json,
+# round_latency_h200_qwen36_27b_32k_cudnn_prefix_{0,1}.json). Not a default: it gained only at
+# head_dim 256 over long contexts, and each 1024-key quantum adds a cuDNN plan (37-70 ms) to the
+# capture of its graphs.
 CUDNN_PREFIX = os.environ.get("DDTREE_CUDNN_PREFIX", "0") == "1"
 CUDNN_MIN_KEYS = 8192  # a guaranteed prefix at least this long
 CUDNN_MIN_ROWS = 65  # query rows per KV head
