@@ -1,0 +1,70 @@
+"""The Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`) against float64, on an sm_90
+GPU only (Gluon has no interpreter): each split's normalised output and log-sum-exp, splits past the
+prefix, and a CUDA graph replayed after the prefix length changes on the device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the Gluon prefix kernel is for sm_90 (H100 / H200)", allow_module_level=True)
+
+from ddtree.kernels.prefix_attention_sm90 import prefix_attention, reference  # noqa: E402
+
+HEADS = [(32, 8, 128), (24, 4, 256), (8, 2, 64)]
+
+def inputs(n, heads, keys, dtype=torch.bfloat16, seed=0):
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(n, hq, d, device="cuda", dtype=dtype, generator=gen)
+    cache = torch.randn(2, keys, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    return q, cache[0], cache[1]
+
+def check(got, want, prefix_rows=None):
+    o, lse = got
+    ro, rlse = want
+    assert torch.equal(torch.isinf(lse), torch.isinf(rlse))
+    finite = ~torch.isinf(rlse)
+    torch.testing.assert_close(lse[finite].double(), rlse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(o.double()[finite], ro[finite], atol=2e-2, rtol=0)
+    assert (o[~finite] == 0).all()
+
+@pytest.mark.parametrize("heads", HEADS, ids=["qwen3-8b", "qwen3.6-27b", "d64"])
+@pytest.mark.parametrize("n", [1, 17, 65, 257])
+@pytest.mark.parametrize("prefix,splits", [(100, 1), (4133, 4), (32768, 16), (1000, 8)])
+def test_prefix_attention_equals_float64(heads, n, prefix, splits):
+    keys = prefix + 300
+    q, k, v = inputs(n, heads, keys)
+    scale = heads[2] ** -0.5
+    got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), keys, splits, scale)
+    check(got, reference(q, k, v, prefix, keys, splits, scale))
+
+def test_merged_splits_equal_whole_softmax():
+    """Splits merged by their log-sum-exp give the attention over every prefix key."""
+    q, k, v = inputs(65, HEADS[0], 9000)
+    scale = 128 ** -0.5
+    o, lse = prefix_attention(q, k, v, torch.tensor(8192, dtype=torch.int32, device="cuda"), 9000, 8, scale)
+    weights = torch.softmax(lse.double(), dim=0)[..., None]
+    merged = (o.double() * weights).sum(0)
+    whole, _ = reference(q, k, v, 8192, 9000, 1, scale)
+    torch.testing.assert_close(merged, whole[0], atol=2e-2, rtol=0)
+
+def test_graph_replay_follows_the_prefix_length():
+    heads = HEADS[0]
+    q, k, v = inputs(65, heads, 20000)
+    scale = 128 ** -0.5
+    prefix = torch.tensor(16000, dtype=torch.int32, device="cuda")
+    prefix_attention(q, k, v, prefix, 20000, 8, scale)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prefix_attention(q, k, v, prefix, 20000, 8, scale)
+    for length in (16000, 19999, 3):
+        prefix.fill_(length)
+        graph.replay()
+        check(out, reference(q, k, v, length, 20000, 8, scale))
+
+def test_refuses_what_it_cannot_run():
+    q, k, v = inputs(4, (8, 2, 64), 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        prefix_attention(q, k, v, torch.tensor(64, dtype=torch.int32, device="cuda"), 128, 1, 0.125)
