@@ -6,7 +6,9 @@ Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `gluon_sN`: the Gluon kernel over the whole prefix (keys [0, context)) in N key splits, at the
-  split counts that make one and two waves of its programs (one program an SM at these tiles);
+  split counts that make one and two waves of its programs (one program an SM at these tiles), with
+  64-key tiles and three stages (`_n128`: 128-key tiles, two stages, head_dim <= 128; `_m64`: 64-row
+  blocks in one warp group, two programs an SM, less padding of a tree's rows);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as the opt-in path does;
@@ -17,6 +19,7 @@ the combine launch.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -54,7 +57,6 @@ def main() -> None:
             prefix32 = prefix.to(torch.int32)
             scale = d ** -0.5
             rows = n * (hq // hkv)
-            row_blocks = -(-rows // tiling(d)["BLOCK_M"])
             flops = 4 * n * context * d * hq
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
@@ -63,13 +65,18 @@ def main() -> None:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))
             except RuntimeError as error:
                 row["cudnn_chunks_error"] = str(error)[:200]
-            for waves in (1, 2):
-                splits = max(1, waves * sms // (row_blocks * hkv))
+            configs = {"": {}, "_m64": {"BLOCK_M": 64, "num_warps": 4}}
+            if d <= 128:
+                configs["_n128"] = {"BLOCK_N": 128, "STAGES": 2}
+            for waves, (label, config) in itertools.product((1, 2), configs.items()):
+                row_blocks = -(-rows // (tiling(d) | config)["BLOCK_M"])
+                per_sm = 2 if config.get("num_warps") == 4 and d <= 128 else 1  # shared memory allows
+                splits = max(1, waves * per_sm * sms // (row_blocks * hkv))
                 try:
-                    row[f"gluon_s{splits}_us"] = call_us(
-                        lambda: prefix_attention(q, k, v, prefix32, keys, splits, scale))
+                    row[f"gluon_s{splits}{label}_us"] = call_us(
+                        lambda: prefix_attention(q, k, v, prefix32, keys, splits, scale, config))
                 except Exception as error:  # report it and go on: the first runs of a new kernel
-                    row[f"gluon_s{splits}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    row[f"gluon_s{splits}{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows_out.append(row)
             print(json.dumps({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}),
                   flush=True)

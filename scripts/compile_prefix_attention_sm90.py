@@ -27,9 +27,14 @@ def main() -> int:
 
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for name, group, head_dim, dtype in (("qwen3-8b", 4, 128, torch.bfloat16), ("qwen3.6-27b", 6, 256, torch.bfloat16),
-                                         ("fp16, head_dim 64", 4, 64, torch.float16)):
-        t = tiling(head_dim)
+    for name, group, head_dim, dtype, override in (
+            ("qwen3-8b", 4, 128, torch.bfloat16, {}),
+            ("qwen3-8b, 128-key tiles", 4, 128, torch.bfloat16, {"BLOCK_N": 128, "STAGES": 2}),
+            ("qwen3-8b, 64-row blocks", 4, 128, torch.bfloat16, {"BLOCK_M": 64, "num_warps": 4}),
+            ("qwen3.6-27b", 6, 256, torch.bfloat16, {}),
+            ("qwen3.6-27b, 64-row blocks", 6, 256, torch.bfloat16, {"BLOCK_M": 64, "num_warps": 4}),
+            ("fp16, head_dim 64", 4, 64, torch.float16, {})):
+        t = tiling(head_dim) | override
         q_smem, kv_smem = shared_layouts(head_dim, dtype, t["BLOCK_M"], t["BLOCK_N"])
         ptr = "*bf16" if dtype == torch.bfloat16 else "*fp16"
         signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "lse_ptr": "*fp32", "prefix_ptr": "*i32",

@@ -40,6 +40,21 @@ def test_prefix_attention_equals_float64(heads, n, prefix, splits):
     got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), keys, splits, scale)
     check(got, reference(q, k, v, prefix, keys, splits, scale))
 
+@pytest.mark.parametrize("config", [{"BLOCK_M": 64, "num_warps": 4}, {"BLOCK_N": 128, "STAGES": 2}],
+                         ids=["64-row blocks", "128-key tiles"])
+@pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
+@pytest.mark.parametrize("n", [17, 65])
+def test_the_benchmarked_tilings_equal_float64(config, heads, n):
+    if heads[2] > 128 and config.get("BLOCK_N") == 128:
+        pytest.skip("128-key tiles at head_dim 256 do not fit in shared memory")
+    prefix, keys, splits = 5000, 5300, 4
+    q, k, v = inputs(n, heads, keys)
+    scale = heads[2] ** -0.5
+    got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), keys, splits, scale,
+                           config)
+    check(got, reference(q, k, v, prefix, keys, splits, scale, block_n=config.get("BLOCK_N", 64)))
+
+
 def test_merged_splits_equal_whole_softmax():
     """Splits merged by their log-sum-exp give the attention over every prefix key."""
     q, k, v = inputs(65, HEADS[0], 9000)

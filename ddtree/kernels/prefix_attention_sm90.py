@@ -169,10 +169,11 @@ def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, max_keys: int,
-                     splits: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     splits: int, scale: float, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
     device scalar, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
-    the module docstring. bf16 / fp16 on sm_90; the last dim of q, k, v contiguous."""
+    the module docstring. bf16 / fp16 on sm_90; the last dim of q, k, v contiguous. `config`
+    overrides `tiling`'s entries (for benchmarks)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -184,7 +185,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         raise ValueError("prefix_attention's 16-byte copies need strides that are multiples of 8 elements")
     if prefix_len.dtype != torch.int32:
         prefix_len = prefix_len.to(torch.int32)  # a device copy: graph-safe, the value read at replay
-    t = tiling(d)
+    t = tiling(d) | (config or {})
     keys_per_split = triton.cdiv(triton.cdiv(max_keys, splits), t["BLOCK_N"]) * t["BLOCK_N"]
     rows = n * group
     o = torch.empty(splits, hkv, rows, d, dtype=q.dtype, device=q.device)
