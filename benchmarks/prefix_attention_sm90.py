@@ -11,6 +11,8 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   blocks in one warp group, two programs an SM, less padding of a tree's rows);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
+- `gluon_whole`: the same call with DDTREE_GLUON_PREFIX's path on (the Gluon kernel over the prefix
+  in one wave of splits, the Triton kernel over the block's columns, one combine launch);
 - `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as the opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
@@ -27,6 +29,7 @@ import torch
 from benchmarks.attention_configs import call_us
 from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
+from ddtree.kernels import tree_attention
 from ddtree.kernels.prefix_attention_sm90 import prefix_attention, tiling
 from ddtree.kernels.tree_attention import cudnn_prefix, cudnn_splits, masked_attention
 from ddtree.tree import build_tree
@@ -60,6 +63,14 @@ def main() -> None:
             flops = 4 * n * context * d * hq
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
+            tree_attention.GLUON_PREFIX = True  # the opt-in path: Gluon prefix, the kernel's block, one combine
+            try:
+                row["gluon_whole_us"] = call_us(
+                    lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
+            except Exception as error:
+                row["gluon_whole_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            finally:
+                tree_attention.GLUON_PREFIX = False
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))

@@ -83,3 +83,43 @@ def test_refuses_what_it_cannot_run():
     q, k, v = inputs(4, (8, 2, 64), 128, dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
         prefix_attention(q, k, v, torch.tensor(64, dtype=torch.int32, device="cuda"), 128, 1, 0.125)
+
+
+def masked_reference(q, k, v, block, prefix, scale):
+    """The verify's attention (keys < prefix and the tree's block) in float64 -> [N, Hq * D]."""
+    from ddtree.kernels.tree_attention import prefix_block_mask
+
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    seen = prefix_block_mask(torch.tensor(prefix, device="cuda"), block, k.shape[0])
+    kk = k.double().repeat_interleave(group, 1)
+    vv = v.double().repeat_interleave(group, 1)
+    logits = torch.einsum("nhd,thd->hnt", q.double(), kk) * scale
+    weights = torch.softmax(logits.masked_fill(~seen[None], float("-inf")), dim=-1)
+    return torch.einsum("hnt,thd->nhd", weights, vv).reshape(n, hq * d)
+
+
+@pytest.mark.parametrize("heads,context,n", [((32, 8, 128), 32768, 65), ((32, 8, 128), 8192, 257),
+                                             ((24, 4, 256), 8192, 65)], ids=["8b-32k-65", "8b-8k-257", "27b-8k-65"])
+def test_masked_attention_with_the_gluon_prefix(heads, context, n, monkeypatch):
+    """DDTREE_GLUON_PREFIX's path in `masked_attention`: the Gluon kernel over the prefix, the Triton
+    kernel over the tree's block, one combine: equal to float64, eagerly and as a graph replayed
+    after the prefix length changed on the device."""
+    from ddtree.kernels import tree_attention
+
+    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    keys = context + n + 300
+    q, k, v = inputs(n, heads, keys)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    block = (torch.rand(n, n, device="cuda", generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool, device="cuda")
+    scale = heads[2] ** -0.5
+    prefix = torch.tensor(context, device="cuda")
+    call = lambda: tree_attention.masked_attention(q, k, v, block, scale, prefix_len=prefix,  # noqa: E731
+                                                   min_prefix=context - 200)
+    torch.testing.assert_close(call().double(), masked_reference(q, k, v, block, context, scale), atol=2e-2, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    prefix.fill_(context - 150)
+    graph.replay()
+    torch.testing.assert_close(out.double(), masked_reference(q, k, v, block, context - 150, scale), atol=2e-2, rtol=0)

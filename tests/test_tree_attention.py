@@ -280,6 +280,25 @@ def test_library_partials_merge_in_the_combine(n, hq, hkv, d, context, library_k
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n,hq,hkv,d,context,lib_splits", [
+    (9, 4, 2, 16, 300, 3),    # 36 rows: one row block
+    (40, 4, 1, 16, 520, 4),   # 160 rows: three row blocks
+    (5, 2, 2, 32, 200, 1),
+])
+@pytest.mark.parametrize("splits", [1, 2, None])
+def test_whole_prefix_summed_elsewhere_leaves_the_kernel_the_block(n, hq, hkv, d, context, lib_splits, splits):
+    """Partial sums over the whole prefix (the Gluon kernel's on a GPU; here PyTorch's), its length
+    only on the device (P None): the kernel reads the block's columns alone, from the prefix length
+    on, and its combine merges both: the whole attention, against float64."""
+    kv_len = context + n + 11
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + context, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    o, lse = library_partials(q, k, v, context, lib_splits, d**-0.5)
+    got = masked_attention(q, k, v, mask[:, context:context + n].contiguous(), d**-0.5, splits=splits,
+                           prefix_len=torch.tensor(context, device=DEVICE), prefix_partials=(o, lse, None))
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
 def test_cudnn_splits_by_head_dim():
     """16 chunks at head_dim <= 128; one wave of 128-row programs at 256 (the H200's best); never
     chunks under 512 keys; always a power of two."""

@@ -214,6 +214,23 @@ def _cudnn_keys(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> int:
     return min_prefix // CUDNN_QUANTUM * CUDNN_QUANTUM
 
 
+# Opt-in, not yet run on a GPU (DDTREE_GLUON_PREFIX=1): the whole unmasked prefix through the Gluon
+# kernel of `prefix_attention_sm90` (FlashAttention-3's order within a warp group), merged in the
+# combine launch; sm_90, 2-byte types, where the engine's bound on the prefix (min_prefix) is long.
+GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "0") == "1"
+GLUON_MIN_KEYS = 4096
+GLUON_MIN_ROWS = 65
+
+
+def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> bool:
+    """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU, bf16 or
+    fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix)."""
+    n, hq, d = q.shape
+    return (GLUON_PREFIX and not _INTERPRETED and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and d in (64, 128, 256) and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS and min_prefix >= GLUON_MIN_KEYS
+            and torch.cuda.get_device_capability(q.device) == (9, 0))
+
+
 def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes: int = 2) -> AttentionConfig:
     """The tiling for `rows` (= N x group) query rows per KV head over kv_len keys, in each of
     `batch` rows of a batched launch: LONG for many rows over a long context (its programs per SM
@@ -303,11 +320,21 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     min_prefix (prefix form): a lower bound of prefix_len that holds for every call of these shapes,
     a CUDA graph's replays included. Where it is long and the rows many (`_cudnn_keys`), keys
     [0, P), P = min_prefix rounded down to CUDNN_QUANTUM, go through cuDNN (`cudnn_prefix`) and
-    the kernel attends to the rest, merging both in its combine launch. prefix_partials: (o, lse, P)
-    in `cudnn_prefix`'s layout for keys [0, P), made by the caller instead (tests)."""
+    the kernel attends to the rest, merging both in its combine launch. With DDTREE_GLUON_PREFIX=1
+    (`_gluon_prefix`) the whole prefix [0, prefix_len) goes through the Gluon kernel instead
+    (`prefix_attention_sm90`), the prefix length read on the device, and the kernel attends to the
+    block's columns alone. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys [0, P),
+    or for the whole prefix where P is None, made by the caller instead (tests)."""
     n, hq, d = q.shape
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
+    if prefix and prefix_partials is None and _gluon_prefix(q, k, min_prefix):
+        from ddtree.kernels.prefix_attention_sm90 import prefix_attention, tiling as gluon_tiling
+
+        max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
+        programs = triton.cdiv(rows, gluon_tiling(d)["BLOCK_M"]) * k.shape[1]
+        gluon_splits = max(1, _sm_count(q.device) // programs)  # one wave, one program an SM
+        prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale), None)
     if prefix and prefix_partials is None:
         keys = _cudnn_keys(q, k, min_prefix)
         if keys:
@@ -321,10 +348,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                 _CUDNN_FAILED.add((q.dtype, d))
                 log.warning("cuDNN attention failed (%s); the Triton kernel attends alone", str(exc)[:200])
     key0 = 0
-    if prefix_partials is not None:
+    if prefix_partials is not None and prefix_partials[2] is not None:
         key0 = prefix_partials[2]
         k, v = k[key0:], v[key0:]
-    t = k.shape[0]
+    # The keys the kernel reads: with the whole prefix summed elsewhere, the block's columns alone.
+    t = mask.shape[1] if prefix_partials is not None and prefix_partials[2] is None else k.shape[0]
     config = config or tiling(rows, t, d, element_bytes=q.element_size())
     if prefix:
         ranges = prefix_len.reshape(1)  # the kernel reads the prefix length where the ranges would be
@@ -376,7 +404,9 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     """One `_attention` launch (and, when the partials are many, a `_combine_kernel` launch) over
     `batch` rows of q's tokens; keys are split over [0, max_kv) of each row. library: (o, lse, P),
     `cudnn_prefix`'s partial sums over the keys before k[0] (P of them; the prefix form, one
-    batch row), merged by the combine launch."""
+    batch row), merged by the combine launch; P None: over the whole prefix, whose length the kernel
+    reads on the device, k and v whole (the kernel then reads the block's columns alone: max_kv
+    is their count)."""
     n, hq, d = q.shape
     t, hkv = k.shape[0], k.shape[1]
     group = hq // hkv
@@ -411,8 +441,9 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
                      keys_per_split, splits, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
-                     out.stride(0), out.stride(1), library[2] if library is not None else 0,
+                     out.stride(0), out.stride(1), library[2] if library is not None and library[2] is not None else 0,
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, FOLD=fold, PREFIX=prefix,
+                     PREFIX_DONE=library is not None and library[2] is None,
                      BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
                      PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
                      num_stages=config.num_stages)
@@ -504,13 +535,15 @@ if triton is not None:
                    sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr,
                    BATCHED: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
-                   LOOP_WHILE: tl.constexpr):
+                   LOOP_WHILE: tl.constexpr, PREFIX_DONE: tl.constexpr = False):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
         (base-2 logits), and (FOLD) the last of the row block's splits to finish combines them.
         PREFIX: range_ptr holds the prefix length and mask_ptr the block mask [N, block_cols]; k and v
-        start at key key0 (the keys before it summed by the library, merged by `_combine_kernel`).
+        start at key key0 (the keys before it summed by the library, merged by `_combine_kernel`);
+        PREFIX_DONE: the whole prefix was summed by the library, so only the block's columns here
+        (keys_per_split and splits planned over them).
         BATCHED: axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its keys start at
         slot first_ptr[b] of k and v, and its prefix length is range_ptr[b] (PREFIX), or each of its
         tokens' ranges and mask rows follow the previous row's (counted from that first slot)."""
@@ -539,6 +572,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if PREFIX:
             prefix_len = tl.load(range_ptr + b).to(tl.int32) - key0
+            if PREFIX_DONE:  # keys and splits from the block's first column on
+                k_ptr += prefix_len.to(tl.int64) * sk_t
+                v_ptr += prefix_len.to(tl.int64) * sv_t
+                kv_len = kv_len - prefix_len
+                prefix_len = prefix_len * 0
             first = 0
             last = prefix_len + block_cols
         else:
