@@ -18,7 +18,7 @@ of the attention: o [splits, Hkv, N * group, D] in q's dtype, each split's norma
 [splits, Hkv, N * group] float32, the natural log of each row's softmax denominator over its split
 (scale applied), -inf for a split with no keys (its o is 0).
 
-Status: compiled for sm_90 (scripts/compile_prefix_attention_sm90.py); not yet run on a GPU.
+Status: compiled for sm_90 (scripts/compile_prefix_attention_sm90.py, a CPU test); not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -49,11 +49,15 @@ def _load_kv_tile(k_ptr, v_ptr, k_buf, v_buf, tile_start, end, stride_kt, stride
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr, QK: gl.constexpr):
+def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr, QK: gl.constexpr,
+                  MASKED: gl.constexpr):
     """Online softmax of one score tile s [BLOCK_M, BLOCK_N] (float32, QK layout) in base 2:
-    -> (p, new running max, new running sum, alpha = how much the old sums shrink)."""
-    offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
-    s = gl.where(offs_n[None, :] < end, s * qk_scale, float("-inf"))
+    -> (p, new running max, new running sum, alpha = how much the old sums shrink). MASKED: keys
+    from `end` on count for nothing (only a split's last tile needs it)."""
+    s = s * qk_scale
+    if MASKED:
+        offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
+        s = gl.where(offs_n[None, :] < end, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
     p = gl.exp2(s - m_safe[:, None])
@@ -112,7 +116,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, prefix_ptr,
     s = warpgroup_mma_wait(0, deps=(s, ))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, start, end, qk_scale, BLOCK_N, QK)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, start, end, qk_scale, BLOCK_N, QK, True)
     p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
     acc = gl.zeros([BLOCK_M, D], gl.float32, PV)
     _load_kv_tile(k_head, v_head, k_ring.index(STAGES - 1), v_ring.index(STAGES - 1),
@@ -128,8 +132,13 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, prefix_ptr,
         s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_token, ))
-        # This tile's softmax while p.v of the last one runs on the tensor cores.
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, start + j * BLOCK_N, end, qk_scale, BLOCK_N, QK)
+        # This tile's softmax while p.v of the last one runs on the tensor cores; only a split's
+        # last tile masks its keys (the rest are whole: no compare and select per score).
+        tile_start = start + j * BLOCK_N
+        if tile_start + BLOCK_N <= end:
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, False)
+        else:
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, True)
         acc = warpgroup_mma_wait(0, deps=(acc_token, ))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
