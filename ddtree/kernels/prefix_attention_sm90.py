@@ -139,7 +139,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, prefix_ptr,
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, False)
         else:
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, True)
-        acc = warpgroup_mma_wait(0, deps=(acc_token, ))
+        # p_prev is p.v's A operand in registers: kept alive until the product retires.
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
         # Slot `prev` is free once both warp groups' p.v of tile j - 1 have finished.
@@ -149,7 +150,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, prefix_ptr,
 
     last = (n_tiles - 1) % STAGES
     acc = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
     cp.wait_group(0)
 
     l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
