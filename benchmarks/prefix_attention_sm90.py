@@ -6,7 +6,8 @@ Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `gluon_sN`: the Gluon kernel over the whole prefix (keys [0, context)) in N key splits, at the
-  split counts that make one and two waves of its programs (one program an SM at these tiles), with
+  count `plan_splits` picks (the opt-in path's) and those that make one and two waves of its
+  programs (one program an SM at these tiles; a count met twice is timed once), with
   64-key tiles and three stages (`_n128`: 128-key tiles, two stages, head_dim <= 128; `_m64`: 64-row
   blocks in one warp group, two programs an SM, less padding of a tree's rows);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
@@ -30,7 +31,7 @@ from benchmarks.attention_configs import call_us
 from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.kernels import tree_attention
-from ddtree.kernels.prefix_attention_sm90 import prefix_attention, tiling
+from ddtree.kernels.prefix_attention_sm90 import plan_splits, prefix_attention, tiling
 from ddtree.kernels.tree_attention import cudnn_prefix, cudnn_splits, masked_attention
 from ddtree.tree import build_tree
 
@@ -79,10 +80,13 @@ def main() -> None:
             configs = {"": {}, "_m64": {"BLOCK_M": 64, "num_warps": 4}}
             if d <= 128:
                 configs["_n128"] = {"BLOCK_N": 128, "STAGES": 2}
-            for waves, (label, config) in itertools.product((1, 2), configs.items()):
+            for waves, (label, config) in itertools.product((0, 1, 2), configs.items()):
                 row_blocks = -(-rows // (tiling(d) | config)["BLOCK_M"])
                 per_sm = 2 if config.get("num_warps") == 4 and d <= 128 else 1  # shared memory allows
-                splits = max(1, waves * per_sm * sms // (row_blocks * hkv))
+                splits = plan_splits(row_blocks * hkv, per_sm * sms, keys) if waves == 0 else \
+                    max(1, waves * per_sm * sms // (row_blocks * hkv))
+                if f"gluon_s{splits}{label}_us" in row:
+                    continue
                 try:
                     row[f"gluon_s{splits}{label}_us"] = call_us(
                         lambda: prefix_attention(q, k, v, prefix32, keys, splits, scale, config))

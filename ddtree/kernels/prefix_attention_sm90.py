@@ -171,6 +171,17 @@ def tiling(head_dim: int) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 64, "STAGES": 2 if head_dim > 128 else 3, "num_warps": 8}
 
 
+def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, min_keys: int = 512) -> int:
+    """Key splits for `programs` (row blocks x KV heads) at one program an SM: the count whose waves
+    waste the least, ceil(programs x s / sms) / s at its least (ties: fewer splits, fewer partials
+    to merge: the fewest within 3% of the least), each split at least `min_keys` keys. E.g. 72
+    programs on 132 SMs: 11 splits, 792 programs in 6 whole waves; 24 programs: 11 (264, 2 waves)."""
+    counts = range(1, max(1, min(max_splits, max_keys // min_keys)) + 1)
+    cost = {splits: -(-programs * splits // sms) / splits for splits in counts}
+    least = min(cost.values())
+    return min(splits for splits in counts if cost[splits] <= least * 1.03)
+
+
 def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int):
     """The NVMMA shared layouts of the query tile and the key / value tiles (wgmma operands)."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16

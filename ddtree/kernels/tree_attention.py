@@ -329,11 +329,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
     if prefix and prefix_partials is None and _gluon_prefix(q, k, min_prefix):
-        from ddtree.kernels.prefix_attention_sm90 import prefix_attention, tiling as gluon_tiling
+        from ddtree.kernels.prefix_attention_sm90 import plan_splits, prefix_attention, tiling as gluon_tiling
 
         max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
         programs = triton.cdiv(rows, gluon_tiling(d)["BLOCK_M"]) * k.shape[1]
-        gluon_splits = max(1, _sm_count(q.device) // programs)  # one wave, one program an SM
+        gluon_splits = plan_splits(programs, _sm_count(q.device), max_keys)
         prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale), None)
     if prefix and prefix_partials is None:
         keys = _cudnn_keys(q, k, min_prefix)
