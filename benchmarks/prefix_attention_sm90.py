@@ -1,20 +1,20 @@
-"""The Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`) against the tree attention's
-Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
+"""The Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`, warp-specialised) against the
+tree attention's Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
     python benchmarks/prefix_attention_sm90.py [--heads 32,8,128] [--context 32768] [--tokens 17,65,257]
         [--output FILE.json]
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
-- `gluon_sN`: the Gluon kernel over the whole prefix (keys [0, context)) in N key splits, at the
-  count `plan_splits` picks (the opt-in path's) and those that make one and two waves of its
-  programs (one program an SM at these tiles; a count met twice is timed once), with
-  64-key tiles and three stages (`_n128`: 128-key tiles, two stages, head_dim <= 128; `_m64`: 64-row
-  blocks in one warp group, two programs an SM, less padding of a tree's rows);
+- `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
+  (`plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
+  from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
+  tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows;
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
-- `gluon_whole`: the same call with DDTREE_GLUON_PREFIX's path on (the Gluon kernel over the prefix
-  in one wave of splits, the Triton kernel over the block's columns, one combine launch);
-- `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as the opt-in path does;
+- `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
+  warp-specialised kernel over the prefix, the Triton kernel over the block's columns, one combine
+  launch);
+- `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
 the combine launch.
@@ -22,7 +22,6 @@ the combine launch.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 
 import torch
@@ -31,7 +30,7 @@ from benchmarks.attention_configs import call_us
 from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.kernels import tree_attention
-from ddtree.kernels.prefix_attention_sm90 import plan_splits, prefix_attention, tiling
+from ddtree.kernels import prefix_attention_sm90 as sm90
 from ddtree.kernels.tree_attention import cudnn_prefix, cudnn_splits, masked_attention
 from ddtree.tree import build_tree
 
@@ -64,34 +63,36 @@ def main() -> None:
             flops = 4 * n * context * d * hq
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
-            tree_attention.GLUON_PREFIX = True  # the opt-in path: Gluon prefix, the kernel's block, one combine
-            try:
+            switch, tree_attention.GLUON_PREFIX = tree_attention.GLUON_PREFIX, True
+            try:  # the Gluon path whatever the rows (the engine's takes it from GLUON_MIN_ROWS on)
+                minimum, tree_attention.GLUON_MIN_ROWS = tree_attention.GLUON_MIN_ROWS, {64: 1, 128: 1, 256: 1}
                 row["gluon_whole_us"] = call_us(
                     lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
             except Exception as error:
                 row["gluon_whole_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             finally:
-                tree_attention.GLUON_PREFIX = False
+                tree_attention.GLUON_PREFIX, tree_attention.GLUON_MIN_ROWS = switch, minimum
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))
             except RuntimeError as error:
                 row["cudnn_chunks_error"] = str(error)[:200]
-            configs = {"": {}, "_m64": {"BLOCK_M": 64, "num_warps": 4}}
+            ws_tilings = {"c2_n64_st2": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
+                          "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}}
             if d <= 128:
-                configs["_n128"] = {"BLOCK_N": 128, "STAGES": 2}
-            for waves, (label, config) in itertools.product((0, 1, 2), configs.items()):
-                row_blocks = -(-rows // (tiling(d) | config)["BLOCK_M"])
-                per_sm = 2 if config.get("num_warps") == 4 and d <= 128 else 1  # shared memory allows
-                splits = plan_splits(row_blocks * hkv, per_sm * sms, keys) if waves == 0 else \
-                    max(1, waves * per_sm * sms // (row_blocks * hkv))
-                if f"gluon_s{splits}{label}_us" in row:
-                    continue
+                ws_tilings |= {"c2_n128_st2": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
+                               "c2_n128_st3": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 3, "PER_SM": 1},
+                               "c2_n64_st4": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 4, "PER_SM": 1},
+                               "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
+            ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
+            for label, config in ws_tilings.items():
+                programs = -(-rows // (64 * config["CONSUMERS"])) * hkv
+                splits = sm90.plan_splits(programs, config["PER_SM"] * sms, keys)
                 try:
-                    row[f"gluon_s{splits}{label}_us"] = call_us(
-                        lambda: prefix_attention(q, k, v, prefix32, keys, splits, scale, config))
-                except Exception as error:  # report it and go on: the first runs of a new kernel
-                    row[f"gluon_s{splits}{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    row[f"ws_{label}_s{splits}_us"] = call_us(
+                        lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config))
+                except Exception as error:  # report it and go on
+                    row[f"ws_{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows_out.append(row)
             print(json.dumps({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}),
                   flush=True)

@@ -1,6 +1,7 @@
 """The Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`) against float64, on an sm_90
-GPU only (Gluon has no interpreter): each split's normalised output and log-sum-exp, splits past the
-prefix, and a CUDA graph replayed after the prefix length changes on the device."""
+GPU only (Gluon has no interpreter): each split's normalised output and log-sum-exp at every tiling
+it picks from, splits past the prefix, a CUDA graph replayed after the prefix length changes on the
+device, and `masked_attention`'s path through it."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from ddtree.kernels.prefix_attention_sm90 import prefix_attention, reference  # noqa: E402
 
+
 HEADS = [(32, 8, 128), (24, 4, 256), (8, 2, 64)]
+
 
 def inputs(n, heads, keys, dtype=torch.bfloat16, seed=0):
     hq, hkv, d = heads
@@ -20,6 +23,7 @@ def inputs(n, heads, keys, dtype=torch.bfloat16, seed=0):
     q = torch.randn(n, hq, d, device="cuda", dtype=dtype, generator=gen)
     cache = torch.randn(2, keys, hkv, d, device="cuda", dtype=dtype, generator=gen)
     return q, cache[0], cache[1]
+
 
 def check(got, want, prefix_rows=None):
     o, lse = got
@@ -29,6 +33,7 @@ def check(got, want, prefix_rows=None):
     torch.testing.assert_close(lse[finite].double(), rlse[finite], atol=2e-2, rtol=0)
     torch.testing.assert_close(o.double()[finite], ro[finite], atol=2e-2, rtol=0)
     assert (o[~finite] == 0).all()
+
 
 @pytest.mark.parametrize("heads", HEADS, ids=["qwen3-8b", "qwen3.6-27b", "d64"])
 @pytest.mark.parametrize("n", [1, 17, 65, 257])
@@ -40,19 +45,27 @@ def test_prefix_attention_equals_float64(heads, n, prefix, splits):
     got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), keys, splits, scale)
     check(got, reference(q, k, v, prefix, keys, splits, scale))
 
-@pytest.mark.parametrize("config", [{"BLOCK_M": 64, "num_warps": 4}, {"BLOCK_N": 128, "STAGES": 2}],
-                         ids=["64-row blocks", "128-key tiles"])
+
+TILINGS = {"two consumers, 64-key tiles": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
+           "two consumers, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
+           "one consumer": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
+           "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
+
+
+@pytest.mark.parametrize("config", TILINGS)
 @pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
 @pytest.mark.parametrize("n", [17, 65])
-def test_the_benchmarked_tilings_equal_float64(config, heads, n):
-    if heads[2] > 128 and config.get("BLOCK_N") == 128:
-        pytest.skip("128-key tiles at head_dim 256 do not fit in shared memory")
+def test_every_tiling_equals_float64(config, heads, n):
+    """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count."""
+    config = TILINGS[config]
+    if heads[2] > 128 and (config["BLOCK_N"] > 64 or config["PER_SM"] > 1):
+        pytest.skip("does not fit in one SM's shared memory or registers at head_dim 256")
     prefix, keys, splits = 5000, 5300, 4
     q, k, v = inputs(n, heads, keys)
     scale = heads[2] ** -0.5
     got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), keys, splits, scale,
                            config)
-    check(got, reference(q, k, v, prefix, keys, splits, scale, block_n=config.get("BLOCK_N", 64)))
+    check(got, reference(q, k, v, prefix, keys, splits, scale))
 
 
 def test_merged_splits_equal_whole_softmax():
@@ -64,6 +77,7 @@ def test_merged_splits_equal_whole_softmax():
     merged = (o.double() * weights).sum(0)
     whole, _ = reference(q, k, v, 8192, 9000, 1, scale)
     torch.testing.assert_close(merged, whole[0], atol=2e-2, rtol=0)
+
 
 def test_graph_replay_follows_the_prefix_length():
     heads = HEADS[0]
@@ -78,6 +92,7 @@ def test_graph_replay_follows_the_prefix_length():
         prefix.fill_(length)
         graph.replay()
         check(out, reference(q, k, v, length, 20000, 8, scale))
+
 
 def test_refuses_what_it_cannot_run():
     q, k, v = inputs(4, (8, 2, 64), 128, dtype=torch.float32)
@@ -101,6 +116,8 @@ def masked_reference(q, k, v, block, prefix, scale):
 
 @pytest.mark.parametrize("heads,context,n", [((32, 8, 128), 32768, 65), ((32, 8, 128), 8192, 257),
                                              ((24, 4, 256), 8192, 65)], ids=["8b-32k-65", "8b-8k-257", "27b-8k-65"])
+
+
 def test_masked_attention_with_the_gluon_prefix(heads, context, n, monkeypatch):
     """DDTREE_GLUON_PREFIX's path in `masked_attention`: the Gluon kernel over the prefix, the Triton
     kernel over the tree's block, one combine: equal to float64, eagerly and as a graph replayed

@@ -1,5 +1,6 @@
-"""The Gluon prefix kernel compiles for sm_90 at every tiling it is benchmarked with, without a GPU
-(in a process without Triton's interpreter, which the other tests switch on); its split plan."""
+"""The Gluon prefix kernel compiles for sm_90 at every tiling it picks from, without a GPU (in a
+process without Triton's interpreter, which the other tests switch on); its tiling, registers and
+split plan."""
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ def test_gluon_prefix_kernel_compiles_for_sm90():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(lines) == 6, done.stdout
+    assert len(lines) == 5, done.stdout
     assert all("local 0" in line for line in lines), done.stdout  # no spills to local memory
+    assert not any("OVER" in line for line in lines), done.stdout  # each fits its programs an SM
 
 
 def test_plan_splits_fills_whole_waves_with_few_splits():
@@ -31,3 +33,24 @@ def test_plan_splits_fills_whole_waves_with_few_splits():
     assert plan_splits(120, 132, 32768) == 11  # 1320: ten whole waves
     assert plan_splits(24, 132, 2560) == 5  # at least 512 keys a split
     assert plan_splits(264, 132, 32768) == 1  # already whole waves
+
+
+def test_tiling_takes_one_consumer_only_where_two_could_not_fill_the_sms():
+    from ddtree.kernels.prefix_attention_sm90 import tiling
+
+    assert tiling(128, rows=260, kv_heads=8, sms=132)["CONSUMERS"] == 2  # Qwen3-8B, 65 tokens: 3 x 8 x 16 >= 132
+    assert tiling(128, rows=260, kv_heads=8, sms=132)["BLOCK_N"] == 128
+    assert tiling(128, rows=68, kv_heads=8, sms=132) == {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}
+    assert tiling(256, rows=102, kv_heads=4, sms=132) == {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}
+    assert tiling(256, rows=390, kv_heads=4, sms=132) == {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1}
+
+
+def test_registers_share_the_sm_and_leave_the_loader_24():
+    from ddtree.kernels.prefix_attention_sm90 import registers
+
+    for consumers, per_sm in ((2, 1), (1, 2), (1, 1)):
+        maxnreg, consumer = registers(consumers, per_sm)
+        assert maxnreg % 8 == 0 and consumer % 8 == 0 and consumer <= 256
+        assert per_sm * (consumers + 1) * 128 * maxnreg <= 65536  # the launch fits the register file
+        assert consumers * consumer + 24 <= (consumers + 1) * maxnreg  # setmaxnreg's budget holds
+    assert registers(2, 1) == (168, 240)

@@ -1,24 +1,34 @@
 """The unmasked prefix of a verify's attention on Hopper (sm_90), written in Gluon: N query tokens
-over keys [0, P) of the KV cache, P a device scalar, in FlashAttention-3's order within a warp group.
+over keys [0, P) of the KV cache, P a device scalar, split over the keys, with the work of a program
+divided among partitions of warps as FlashAttention-3 does.
 
-Why: over long contexts the tree attention is nearly all prefix (every row sees every key), and the
-Triton kernel's prefix loop runs its two products at 87% of the matmul rate but the softmax between
-them does not overlap them (+45%, benchmarks/README.md). Here each key tile's q.k product is issued
-asynchronously before the previous tile's p.v product, and the softmax of this tile runs while p.v
-is still on the tensor cores (FlashAttention-3, "intra-warpgroup overlapping"); the order is explicit
-(`warpgroup_mma(is_async=True)` / `warpgroup_mma_wait`), which Triton's `tl.dot` does not expose.
+Why: over long contexts the tree attention is nearly all prefix (every row sees every key). The
+Triton kernel runs the prefix loop's two products near the matmul rate, but its softmax does not
+overlap them and its loads are issued by the same warps (benchmarks/README.md, "A prefix kernel
+in FlashAttention-3's form"). Here:
 
-Layout: rows are (token, query head of the KV head's group) pairs, row = token * group + g, as in
-`tree_attention`; each program holds BLOCK_M rows of one KV head and one split of the keys:
-grid (row blocks, KV heads, splits). Keys and values are read with cp.async into a ring of STAGES
-shared-memory tiles (any cache strides with a unit last one); the keys past P are masked.
+- a loader warp copies key and value tiles with TMA into rings of STAGES shared-memory slots,
+  signalling `ready` barriers as tiles land and waiting on `empty` barriers for slots to reuse;
+- one or two consumer warp groups of 64 query rows each run q.k, the online softmax and p.v in
+  FlashAttention-3's order within a warp group (q.k of tile j issued before p.v of tile j - 1; this
+  tile's softmax while p.v runs: `warpgroup_mma(is_async=True)` / `warpgroup_mma_wait`, which
+  Triton's `tl.dot` does not expose), releasing each slot as its product retires. With two, a
+  program's 128 rows read each key tile once; the warp groups are not in lockstep (no barrier
+  between them), so one's softmax runs while the other's products hold the tensor cores.
 
-Output, as `tree_attention.cudnn_prefix` gives it, for the combine launch to merge with the rest
-of the attention: o [splits, Hkv, N * group, D] in q's dtype, each split's normalised output; lse
+Rows are (token, query head of the KV head's group) pairs, row = token * group + g, as in
+`tree_attention`; grid (row blocks, KV heads, splits). Splits are planned over a static bound on P
+and read P on the device, so one CUDA graph serves every committed length.
+
+TMA reads whole tiles: keys past P up to the cache's end are read and masked (their scores count for
+nothing), so the cache past P must hold finite values (the engine's cache is zero-initialised and
+then holds real keys and values); rows past the cache's end read as zeros. The key and value caches
+are [T, Hkv, D] with the last two dims contiguous (one 2-D TMA view [T, Hkv * D]).
+
+Output, as `tree_attention.cudnn_prefix` gives it, for the combine launch to merge with the rest of
+the attention: o [splits, Hkv, N * group, D] in q's dtype, each split's normalised output; lse
 [splits, Hkv, N * group] float32, the natural log of each row's softmax denominator over its split
 (scale applied), -inf for a split with no keys (its o is 0).
-
-Status: compiled for sm_90 (scripts/compile_prefix_attention_sm90.py, a CPU test); not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -28,24 +38,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _load_kv_tile(k_ptr, v_ptr, k_buf, v_buf, tile_start, end, stride_kt, stride_vt,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
-    """cp.async keys and values [tile_start, tile_start + BLOCK_N) of one KV head into a ring slot,
-    zeros past `end`, as one commit group (issued even when empty, so the groups count tiles)."""
-    offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-    mask = (offs_n[:, None] < end) & (offs_d[None, :] < D)
-    cp.async_copy_global_to_shared(k_buf, k_ptr + offs_n[:, None] * stride_kt + offs_d[None, :], mask=mask)
-    cp.async_copy_global_to_shared(v_buf, v_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], mask=mask)
-    cp.commit_group()
+SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of tiles at every BLOCK_N
 
 
 @gluon.jit
@@ -67,108 +66,160 @@ def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, prefix_ptr,
-                   n_tokens, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                   keys_per_split, qk_scale,
-                   GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    split = gl.program_id(2)
-    kv_heads = gl.num_programs(1)
-    rows = n_tokens * GROUP
+def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, column,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key tile i, then value tile i, for i in [0, n_tiles), each into slot i % STAGES of its ring
+    once the consumers have released the slot's previous tile."""
+    for i in range(n_tiles):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        # A fresh barrier counts as having completed the phase before phase 0: the first STAGES
+        # waits (on phase 1) pass at once.
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + i * BLOCK_N, column], k_ready.index(slot), k_ring.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [start + i * BLOCK_N, column], v_ready.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
+              base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end)."""
+    BLOCK_M: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-
-    QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                 instr_shape=[16, BLOCK_N, 16])
-    PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                 instr_shape=[16, D, 16])
+    QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [num_warps, 1], [1, 0])  # 16-byte copies
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])  # 16-byte loads
 
-    start = split * keys_per_split
-    end = gl.minimum(start + keys_per_split, gl.load(prefix_ptr))
-    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)  # one (empty) tile for a split past P
-    k_head = k_ptr + head * stride_kh
-    v_head = v_ptr + head * stride_vh
-
-    # This block's query rows -> shared memory, the A operand of every q.k product.
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
+    # This warp group's query rows -> its slice of shared memory, the A operand of every q.k.
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     q_rows = (offs_m // GROUP) * stride_qt + (head * GROUP + offs_m % GROUP) * stride_qh
     q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=(offs_m[:, None] < rows) & (offs_d[None, :] < D),
                 other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], Q_SMEM, q)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
-
-    # The ring's first STAGES - 1 tiles.
-    for i in gl.static_range(STAGES - 1):
-        _load_kv_tile(k_head, v_head, k_ring.index(i), v_ring.index(i), start + i * BLOCK_N, end,
-                      stride_kt, stride_vt, BLOCK_N, D, LOAD)
+    q_smem.store(q)
+    fence_async_shared()  # the generic-proxy stores, before wgmma reads them
 
     # Tile 0: q.k and its softmax; its p.v is issued with tile 1's q.k.
-    cp.wait_group(STAGES - 2)
-    gl.thread_barrier()
-    fence_async_shared()
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK)
+    mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, start, end, qk_scale, BLOCK_N, QK, True)
     p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
     acc = gl.zeros([BLOCK_M, D], gl.float32, PV)
-    _load_kv_tile(k_head, v_head, k_ring.index(STAGES - 1), v_ring.index(STAGES - 1),
-                  start + (STAGES - 1) * BLOCK_N, end, stride_kt, stride_vt, BLOCK_N, D, LOAD)
 
     for j in range(1, n_tiles):
         slot = j % STAGES
         prev = (j - 1) % STAGES
-        cp.wait_group(STAGES - 2)  # tile j has landed (this thread's copies) ...
-        gl.thread_barrier()  # ... and every thread's
-        fence_async_shared()
-        # q.k of tile j, then p.v of tile j - 1, both in flight; the first to finish is q.k.
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
         s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_token, ))
-        # This tile's softmax while p.v of the last one runs on the tensor cores; only a split's
-        # last tile masks its keys (the rest are whole: no compare and select per score).
+        mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
         tile_start = start + j * BLOCK_N
         if tile_start + BLOCK_N <= end:
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, False)
         else:
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, True)
-        # p_prev is p.v's A operand in registers: kept alive until the product retires.
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
+        mbarrier.arrive(v_empty.index(prev), count=1)  # p.v of tile j - 1 has read its values
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
-        # Slot `prev` is free once both warp groups' p.v of tile j - 1 have finished.
-        gl.thread_barrier()
-        _load_kv_tile(k_head, v_head, k_ring.index(prev), v_ring.index(prev), start + (j + STAGES - 1) * BLOCK_N,
-                      end, stride_kt, stride_vt, BLOCK_N, D, LOAD)
 
     last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-    cp.wait_group(0)
 
     l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
     out = acc * gl.where(l_pv > 0.0, 1.0 / l_pv, 0.0)[:, None]
-    rows_pv = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, PV))
+    rows_pv = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, PV))
     dims_pv = gl.arange(0, D, layout=gl.SliceLayout(0, PV))
-    base = (split * kv_heads + head) * rows
     gl.store(o_ptr + (base + rows_pv[:, None]) * D + dims_pv[None, :], out.to(dtype),
              mask=(rows_pv[:, None] < rows) & (dims_pv[None, :] < D))
     lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
-    rows_qk = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QK))
+    rows_qk = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QK))
     gl.store(lse_ptr + base + rows_qk, lse, mask=rows_qk < rows)
 
 
-def tiling(head_dim: int) -> dict:
-    """BLOCK_M, BLOCK_N, STAGES and warps by head dim: 128 query rows in two warp groups; at head_dim
-    256 two stages of 64 keys (Q 64 KB + K and V 128 KB of shared memory), else three."""
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "STAGES": 2 if head_dim > 128 else 3, "num_warps": 8}
+@gluon.jit
+def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, stride_qt, stride_qh,
+                      keys_per_split, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                      num_warps: gl.constexpr):
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    split = gl.program_id(2)
+    rows = n_tokens * GROUP
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    start = split * keys_per_split
+    end = gl.minimum(start + keys_per_split, gl.load(prefix_ptr))
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)  # one (masked) tile for a split past P
+    base = (split * gl.num_programs(1) + head) * rows
+    row0 = pid_m * CONSUMERS * 64
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], Q_SMEM)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # each consumer's arrival frees a slot
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+
+    # (Partitions and their arguments are written in the call itself: tuples built before it would
+    # turn their functions and constexprs into tensors.)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
+                         STAGES)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D,
+                         BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
+                       BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
+                         STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
+                       BLOCK_N, STAGES)),
+        ], [1], [24])
+
+
+def tiling(head_dim: int, rows: int, kv_heads: int, sms: int) -> dict:
+    """CONSUMERS (warp groups of 64 rows a program), BLOCK_N, STAGES and PER_SM (programs an SM) for
+    `rows` query rows per KV head (H200, benchmarks/prefix_attention_sm90.py): two consumers sharing
+    each key tile; 128-key tiles in 2 stages at head_dim <= 128, 64-key tiles in 2 stages at 256 (Q
+    64 KB + 64 KB of keys and values a stage). Where two consumers' programs could not fill the SMs
+    even at 16 key splits (few rows), one consumer: twice the programs, at 64-key tiles in 3 stages
+    (head_dim <= 128: two programs an SM)."""
+    if triton.cdiv(rows, 128) * kv_heads * 16 < sms:
+        return {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2 if head_dim <= 128 else 1}
+    return {"CONSUMERS": 2, "BLOCK_N": 128 if head_dim <= 128 else 64, "STAGES": 2, "PER_SM": 1}
+
+
+def registers(consumers: int, programs_per_sm: int) -> tuple[int, int]:
+    """(maxnreg, consumer registers): the kernel's warp groups (consumers + the loader's) share the
+    SM's 64K registers; setmaxnreg then gives the loader 24 and the consumers the rest."""
+    per_group = 65536 // (programs_per_sm * (consumers + 1) * 128) // 8 * 8
+    return per_group, min(256, ((consumers + 1) * per_group - 24) // consumers // 8 * 8)
 
 
 def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, min_keys: int = 512) -> int:
@@ -193,36 +244,41 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                      splits: int, scale: float, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
     device scalar, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
-    the module docstring. bf16 / fp16 on sm_90; the last dim of q, k, v contiguous. `config`
-    overrides `tiling`'s entries (for benchmarks)."""
+    the module docstring. bf16 / fp16 on sm_90; q's last dim and k's and v's last two contiguous, and
+    k, v finite past the prefix. `config` overrides `tiling`'s entries (tests, benchmarks)."""
     n, hq, d = q.shape
-    hkv = k.shape[1]
+    t_keys, hkv, _ = k.shape
     group = hq // hkv
     if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128, 256) or hq % hkv:
         raise ValueError(f"prefix_attention takes bf16/fp16 with head_dim 64, 128 or 256, got {q.dtype}, {d}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("prefix_attention needs a unit stride on the head dim")
-    if any(x.stride(i) % 8 for x in (q, k, v) for i in range(x.dim() - 1)):
+    if q.stride(-1) != 1 or any(x.stride(-1) != 1 or x.stride(1) != d for x in (k, v)):
+        raise ValueError("prefix_attention needs q's last dim and k's and v's last two dims contiguous")
+    if any(x.stride(0) % 8 for x in (q, k, v)) or q.stride(1) % 8:
         raise ValueError("prefix_attention's 16-byte copies need strides that are multiples of 8 elements")
     if prefix_len.dtype != torch.int32:
         prefix_len = prefix_len.to(torch.int32)  # a device copy: graph-safe, the value read at replay
-    t = tiling(d) | (config or {})
-    keys_per_split = triton.cdiv(triton.cdiv(max_keys, splits), t["BLOCK_N"]) * t["BLOCK_N"]
+    t = tiling(d, n * group, hkv, torch.cuda.get_device_properties(q.device).multi_processor_count) | (config or {})
+    consumers, block_n = t["CONSUMERS"], t["BLOCK_N"]
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, splits), SPLIT_KEYS) * SPLIT_KEYS
     rows = n * group
     o = torch.empty(splits, hkv, rows, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(splits, hkv, rows, dtype=torch.float32, device=q.device)
-    q_smem, kv_smem = shared_layouts(d, q.dtype, t["BLOCK_M"], t["BLOCK_N"])
-    grid = (triton.cdiv(rows, t["BLOCK_M"]), hkv, splits)
-    _prefix_kernel[grid](q, k, v, o, lse, prefix_len, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                         v.stride(0), v.stride(1), keys_per_split, scale * LOG2E,
-                         GROUP=group, D=d, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], STAGES=t["STAGES"],
-                         Q_SMEM=q_smem, KV_SMEM=kv_smem, num_warps=t["num_warps"])
+    q_smem, kv_smem = shared_layouts(d, q.dtype, 64, block_n)
+    k_desc = TensorDescriptor(k, [t_keys, hkv * d], [k.stride(0), 1], [block_n, d], kv_smem)
+    v_desc = TensorDescriptor(v, [t_keys, hkv * d], [v.stride(0), 1], [block_n, d], kv_smem)
+    maxnreg, consumer_regs = registers(consumers, t["PER_SM"])
+    grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
+    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, n, q.stride(0), q.stride(1), keys_per_split,
+                            scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers, BLOCK_N=block_n,
+                            STAGES=t["STAGES"], Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, num_warps=4,
+                            maxnreg=maxnreg)
     return o, lse
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, max_keys: int, splits: int,
-              scale: float, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_attention` in float64 with PyTorch, split for split (for tests)."""
+              scale: float, block_n: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_attention` in float64 with PyTorch, split for split, splits rounded to `block_n` keys
+    (SPLIT_KEYS) as the kernel rounds them (for tests)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

@@ -214,21 +214,37 @@ def _cudnn_keys(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> int:
     return min_prefix // CUDNN_QUANTUM * CUDNN_QUANTUM
 
 
-# Opt-in, not yet run on a GPU (DDTREE_GLUON_PREFIX=1): the whole unmasked prefix through the Gluon
-# kernel of `prefix_attention_sm90` (FlashAttention-3's order within a warp group), merged in the
-# combine launch; sm_90, 2-byte types, where the engine's bound on the prefix (min_prefix) is long.
-GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "0") == "1"
+# On by default on sm_90 (DDTREE_GLUON_PREFIX=0 turns it off): the whole unmasked prefix through the
+# warp-specialised Gluon kernel of `prefix_attention_sm90`, merged in the combine launch; 2-byte
+# types, where the engine's bound on the prefix (min_prefix) is long and the rows per KV head are
+# many enough to gain (H200, benchmarks/prefix_attention_sm90.py: at head_dim 128, 68 rows lose
+# 3 us to the extra launch and 260 gain 11 us; at 256, 102 rows gain 22 us over 32k keys).
+GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
 GLUON_MIN_KEYS = 4096
-GLUON_MIN_ROWS = 65
+GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
 
 
-def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> bool:
-    """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU, bf16 or
-    fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix)."""
+def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int) -> bool:
+    """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU with
+    Triton's Gluon, bf16 or fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix, a
+    cache TMA can read: heads contiguous, 16-byte aligned rows)."""
     n, hq, d = q.shape
     return (GLUON_PREFIX and not _INTERPRETED and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and d in (64, 128, 256) and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS and min_prefix >= GLUON_MIN_KEYS
-            and torch.cuda.get_device_capability(q.device) == (9, 0))
+            and d in GLUON_MIN_ROWS and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS[d]
+            and min_prefix >= GLUON_MIN_KEYS
+            and all(x.stride(1) == d and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 for x in (k, v))
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_available())
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this Triton has the Gluon dialect with Hopper's TMA and warp specialisation (3.6 on)."""
+    try:
+        import ddtree.kernels.prefix_attention_sm90  # noqa: F401
+    except (ImportError, AttributeError) as exc:
+        log.warning("no Gluon prefix kernel on this Triton (%s); the Triton kernel attends alone", exc)
+        return False
+    return True
 
 
 def tiling(rows: int, kv_len: int, head_dim: int, batch: int = 1, element_bytes: int = 2) -> AttentionConfig:
@@ -320,21 +336,23 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     min_prefix (prefix form): a lower bound of prefix_len that holds for every call of these shapes,
     a CUDA graph's replays included. Where it is long and the rows many (`_cudnn_keys`), keys
     [0, P), P = min_prefix rounded down to CUDNN_QUANTUM, go through cuDNN (`cudnn_prefix`) and
-    the kernel attends to the rest, merging both in its combine launch. With DDTREE_GLUON_PREFIX=1
-    (`_gluon_prefix`) the whole prefix [0, prefix_len) goes through the Gluon kernel instead
+    the kernel attends to the rest, merging both in its combine launch. On sm_90 (`_gluon_prefix`,
+    before cuDNN's) the whole prefix [0, prefix_len) goes through the warp-specialised Gluon kernel
     (`prefix_attention_sm90`), the prefix length read on the device, and the kernel attends to the
     block's columns alone. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys [0, P),
     or for the whole prefix where P is None, made by the caller instead (tests)."""
     n, hq, d = q.shape
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
-    if prefix and prefix_partials is None and _gluon_prefix(q, k, min_prefix):
+    if prefix and prefix_partials is None and _gluon_prefix(q, k, v, min_prefix):
         from ddtree.kernels.prefix_attention_sm90 import plan_splits, prefix_attention, tiling as gluon_tiling
 
         max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
-        programs = triton.cdiv(rows, gluon_tiling(d)["BLOCK_M"]) * k.shape[1]
-        gluon_splits = plan_splits(programs, _sm_count(q.device), max_keys)
-        prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale), None)
+        sms = _sm_count(q.device)
+        t = gluon_tiling(d, rows, k.shape[1], sms)
+        programs = triton.cdiv(rows, 64 * t["CONSUMERS"]) * k.shape[1]
+        gluon_splits = plan_splits(programs, t["PER_SM"] * sms, max_keys)
+        prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
     if prefix and prefix_partials is None:
         keys = _cudnn_keys(q, k, min_prefix)
         if keys:
