@@ -8,7 +8,8 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
   (`plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
-  tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows;
+  tile, `st`: stages, `x2`: two programs an SM, `turns`: the consumers taking turns at the tensor
+  cores, PINGPONG); `ws_default` is the one it picks for these rows;
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
@@ -78,12 +79,16 @@ def main() -> None:
             except RuntimeError as error:
                 row["cudnn_chunks_error"] = str(error)[:200]
             ws_tilings = {"c2_n64_st2": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
-                          "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}}
+                          "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
+                          "c2_n64_st2_turns": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1,
+                                               "PINGPONG": True}}
             if d <= 128:
                 ws_tilings |= {"c2_n128_st2": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
                                "c2_n128_st3": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 3, "PER_SM": 1},
                                "c2_n64_st4": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 4, "PER_SM": 1},
-                               "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
+                               "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2},
+                               "c2_n128_st2_turns": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
+                                                     "PINGPONG": True}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
             for label, config in ws_tilings.items():
                 programs = -(-rows // (64 * config["CONSUMERS"])) * hkv

@@ -49,14 +49,18 @@ def test_prefix_attention_equals_float64(heads, n, prefix, splits):
 TILINGS = {"two consumers, 64-key tiles": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
            "two consumers, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
            "one consumer": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
-           "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
+           "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2},
+           "two consumers taking turns": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "PINGPONG": True},
+           "two consumers taking turns, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
+                                                         "PINGPONG": True}}
 
 
 @pytest.mark.parametrize("config", TILINGS)
 @pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
 @pytest.mark.parametrize("n", [17, 65])
 def test_every_tiling_equals_float64(config, heads, n):
-    """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count."""
+    """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count, and the
+    consumers' turns (PINGPONG, opt-in)."""
     config = TILINGS[config]
     if heads[2] > 128 and (config["BLOCK_N"] > 64 or config["PER_SM"] > 1):
         pytest.skip("does not fit in one SM's shared memory or registers at head_dim 256")
