@@ -6,7 +6,7 @@ tree attention's Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
-  (`plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
+  (`splits_for`: `plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
   tile, `st`: stages, `x2`: two programs an SM, `turns`: the consumers taking turns at the tensor
   cores, PINGPONG); `ws_default` is the one it picks for these rows;
@@ -91,8 +91,7 @@ def main() -> None:
                                                      "PINGPONG": True}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
             for label, config in ws_tilings.items():
-                programs = -(-rows // (64 * config["CONSUMERS"])) * hkv
-                splits = sm90.plan_splits(programs, config["PER_SM"] * sms, keys)
+                splits = sm90.splits_for(config, rows, hkv, sms, keys)
                 try:
                     row[f"ws_{label}_s{splits}_us"] = call_us(
                         lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config))

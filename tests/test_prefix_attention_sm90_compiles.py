@@ -54,3 +54,12 @@ def test_registers_share_the_sm_and_leave_the_loader_24():
         assert per_sm * (consumers + 1) * 128 * maxnreg <= 65536  # the launch fits the register file
         assert consumers * consumer + 24 <= (consumers + 1) * maxnreg  # setmaxnreg's budget holds
     assert registers(2, 1) == (168, 240)
+
+
+def test_splits_for_counts_a_tilings_programs():
+    from ddtree.kernels.prefix_attention_sm90 import plan_splits, splits_for
+
+    two = {"CONSUMERS": 2, "PER_SM": 1}
+    assert splits_for(two, rows=260, kv_heads=8, sms=132, max_keys=32768) == plan_splits(24, 132, 32768) == 11
+    one = {"CONSUMERS": 1, "PER_SM": 2}
+    assert splits_for(one, rows=68, kv_heads=8, sms=132, max_keys=32768) == plan_splits(16, 264, 32768)

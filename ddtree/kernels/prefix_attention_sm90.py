@@ -266,6 +266,12 @@ def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, mi
     return min(splits for splits in counts if cost[splits] <= least * 1.03)
 
 
+def splits_for(config: dict, rows: int, kv_heads: int, sms: int, max_keys: int) -> int:
+    """`plan_splits` for a tiling's programs: its row blocks x KV heads, PER_SM of them an SM."""
+    programs = triton.cdiv(rows, 64 * config["CONSUMERS"]) * kv_heads
+    return plan_splits(programs, config["PER_SM"] * sms, max_keys)
+
+
 def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int):
     """The NVMMA shared layouts of the query tile and the key / value tiles (wgmma operands)."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -302,23 +308,22 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     maxnreg, consumer_regs = registers(consumers, t["PER_SM"])
     grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, n, q.stride(0), q.stride(1), keys_per_split,
-                            scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers, BLOCK_N=block_n,
-                            STAGES=t["STAGES"], Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs,
-                            PINGPONG=t.get("PINGPONG", False) and consumers == 2, num_warps=4,
-                            maxnreg=maxnreg)
+                         scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers, BLOCK_N=block_n, STAGES=t["STAGES"],
+                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs,
+                         PINGPONG=t.get("PINGPONG", False) and consumers == 2, num_warps=4, maxnreg=maxnreg)
     return o, lse
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, max_keys: int, splits: int,
-              scale: float, block_n: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_attention` in float64 with PyTorch, split for split, splits rounded to `block_n` keys
-    (SPLIT_KEYS) as the kernel rounds them (for tests)."""
+              scale: float, split_keys: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_attention` in float64 with PyTorch, split for split, splits rounded to `split_keys`
+    keys as the kernel rounds them (for tests)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     rows = n * group
     qf = q.double().view(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
-    keys_per_split = -(-(-(-max_keys // splits)) // block_n) * block_n
+    keys_per_split = -(-(-(-max_keys // splits)) // split_keys) * split_keys
     o = torch.zeros(splits, hkv, rows, d, dtype=torch.float64, device=q.device)
     lse = torch.full((splits, hkv, rows), -math.inf, dtype=torch.float64, device=q.device)
     for s in range(splits):

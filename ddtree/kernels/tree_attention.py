@@ -345,13 +345,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
     if prefix and prefix_partials is None and _gluon_prefix(q, k, v, min_prefix):
-        from ddtree.kernels.prefix_attention_sm90 import plan_splits, prefix_attention, tiling as gluon_tiling
+        from ddtree.kernels.prefix_attention_sm90 import prefix_attention, splits_for, tiling as gluon_tiling
 
         max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
         sms = _sm_count(q.device)
         t = gluon_tiling(d, rows, k.shape[1], sms)
-        programs = triton.cdiv(rows, 64 * t["CONSUMERS"]) * k.shape[1]
-        gluon_splits = plan_splits(programs, t["PER_SM"] * sms, max_keys)
+        gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys)
         prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
     if prefix and prefix_partials is None:
         keys = _cudnn_keys(q, k, min_prefix)
