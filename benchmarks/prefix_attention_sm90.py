@@ -2,14 +2,14 @@
 tree attention's Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
     python benchmarks/prefix_attention_sm90.py [--heads 32,8,128] [--context 32768] [--tokens 17,65,257]
-        [--output FILE.json]
+        [--repeats R] [--output FILE.json]
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
   (`splits_for`: `plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
-  tile, `st`: stages, `x2`: two programs an SM, `turns`: the consumers taking turns at the tensor
-  cores, PINGPONG); `ws_default` is the one it picks for these rows;
+  tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows;
+  with --repeats, the median of R passes over all of them (`_all_us`: each pass's);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
     ap.add_argument("--context", default="32768")
     ap.add_argument("--tokens", default="17,65,257")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the Gluon tilings (their median is kept)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.heads.split(","))
@@ -79,24 +81,28 @@ def main() -> None:
             except RuntimeError as error:
                 row["cudnn_chunks_error"] = str(error)[:200]
             ws_tilings = {"c2_n64_st2": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
-                          "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
-                          "c2_n64_st2_turns": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1,
-                                               "PINGPONG": True}}
+                          "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}}
             if d <= 128:
                 ws_tilings |= {"c2_n128_st2": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
                                "c2_n128_st3": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 3, "PER_SM": 1},
                                "c2_n64_st4": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 4, "PER_SM": 1},
-                               "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2},
-                               "c2_n128_st2_turns": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
-                                                     "PINGPONG": True}}
+                               "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
-            for label, config in ws_tilings.items():
-                splits = sm90.splits_for(config, rows, hkv, sms, keys)
-                try:
-                    row[f"ws_{label}_s{splits}_us"] = call_us(
-                        lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config))
-                except Exception as error:  # report it and go on
-                    row[f"ws_{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            times = {}
+            for _ in range(args.repeats):  # every tiling once a pass, so that drift between passes hits all alike
+                for label, config in ws_tilings.items():
+                    splits = sm90.splits_for(config, rows, hkv, sms, keys)
+                    if f"ws_{label}_error" in row:
+                        continue
+                    try:
+                        times.setdefault(f"ws_{label}_s{splits}_us", []).append(call_us(
+                            lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config)))
+                    except Exception as error:  # report it and go on
+                        row[f"ws_{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            for key, values in times.items():
+                row[key] = statistics.median(values)
+                if args.repeats > 1:
+                    row[key.replace("_us", "_all_us")] = values
             rows_out.append(row)
             print(json.dumps({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}),
                   flush=True)

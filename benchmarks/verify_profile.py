@@ -3,6 +3,7 @@ verify for each budget, and the target's matmuls alone at each row count.
 
 Usage: python -m benchmarks.verify_profile OUTPUT.json [--shape qwen3.6-27b] [--budgets chain,64]
        [--prompt-len 512] [--rows 1,16,17,32,64,65,128] [--phases draft,build,walk_commit]
+       [--prefill] [--prefill-chunk 4096]
 
 For each budget: the verify replayed as a CUDA graph (median ms), then run eagerly under
 torch.profiler, its kernels summed by name (device microseconds per verify, largest first). Then,
@@ -10,7 +11,9 @@ for each distinct weight shape of the target's linear layers, F.linear over `row
 (CUDA events, median of 20) and summed over the layers that have that shape: how much of a verify
 the matmuls alone cost at each tree size, against the weights' bytes over the copy bandwidth.
 `--phases` profiles the round's other phases the same way (`Engine.round_phases`: "draft",
-"build", "walk_commit"; the last commits a round each run, so it runs last).
+"build", "walk_commit"; the last commits a round each run, so it runs last). `--prefill` profiles
+the prompt's prefill first (the first budget's, to its first token; chunks of `--prefill-chunk`
+tokens beyond the padded lengths), its kernels summed the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.round_latency import build_models, measure_ceilings, time_graph
 from ddtree.bench.machine import git_revision
 from ddtree.config import SamplingParams, parse_tree_budget
-from ddtree.engine import Engine
+from ddtree.engine import PREFILL_CHUNK, Engine
 
 
 def kernel_table(fn, calls: int = 5, limit: int = 40) -> list[dict]:
@@ -84,18 +87,32 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--rows", default="1,16,17,32,64,65,128")
     ap.add_argument("--phases", default="", help="other round phases to profile, comma-separated")
+    ap.add_argument("--prefill", action="store_true", help="profile the prompt's prefill too")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="tokens per forward of a long prefill")
     args = ap.parse_args()
     torch.manual_seed(0)
     ceilings = measure_ceilings(torch.device("cuda"))
     max_len = max(2048, args.prompt_len + 1024)
     target, drafter = build_models(torch.device("cuda"), torch.bfloat16, 5, 16, max_len, args.shape)
-    engine = Engine(target, drafter, max_model_len=max_len)
+    engine = Engine(target, drafter, max_model_len=max_len, prefill_chunk=args.prefill_chunk)
     weight_bytes = sum(p.numel() * 2 for name, p in target.named_parameters()
                        if p.dim() == 2 and "embed_tokens" not in name)
     result = {"benchmark": "verify_profile", "shape": args.shape, "prompt_len": args.prompt_len,
               "git_revision": git_revision(), "ceilings": ceilings,
               "weights_floor_ms": weight_bytes / ceilings["bandwidth_Bps"] * 1000, "budgets": {}}
     prompt = torch.randint(0, 150000, (args.prompt_len,)).tolist()
+    if args.prefill:
+        def prefill():
+            gen = engine.generate(prompt, SamplingParams(max_tokens=10**6, ignore_eos=True),
+                                  parse_tree_budget(args.budgets.split(",")[0]))
+            next(gen)  # the prefill, to the host reading the first token
+            gen.close()
+
+        kernels = kernel_table(prefill, calls=1)
+        result["prefill"] = {"eager_kernel_ms": sum(k["us_per_call"] for k in kernels) / 1000, "kernels": kernels}
+        print(f"prefill: {result['prefill']['eager_kernel_ms']:.1f} ms of kernels", flush=True)
+        for k in kernels[:25]:
+            print(f"  {k['us_per_call']:9.1f} us  x{k['launches_per_call']:5.1f}  {k['kernel'][:110]}", flush=True)
     for label in args.budgets.split(","):
         budget = parse_tree_budget(label)
         gen = engine.generate(prompt, SamplingParams(max_tokens=10**6, ignore_eos=True), budget)

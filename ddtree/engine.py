@@ -80,7 +80,9 @@ def prefill_chunks(length: int, chunk: int, device) -> list[tuple[slice, Attenti
     none, a zero-row shape the compiled code would meet nowhere else). The first is causal from
     an empty cache; the one at positions [s, s + c) sees keys [0, s) (the prefix, already cached)
     and itself causally, which for recurrent layers (a meta neither causal nor a tree) advances
-    the state the prefix left."""
+    the state the prefix left. Its `min_prefix` is s itself (each chunk's meta serves one eager
+    forward) and it is marked a `chunk`, so that a long prefix goes through the tree attention's
+    prefix kernel and the chunk's own keys through a causal one (`tree_attention.masked_attention`)."""
     chunks, causal = [], None
     for start in range(0, length, chunk):
         c = min(chunk, length - start)
@@ -91,7 +93,7 @@ def prefill_chunks(length: int, chunk: int, device) -> list[tuple[slice, Attenti
             if causal is None:  # [chunk, chunk], made once; a shorter last chunk takes its top-left corner
                 causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
             meta = AttentionMeta(positions, start + c, prefix_len=torch.tensor(start, device=device),
-                                 block_mask=causal[:c, :c])
+                                 block_mask=causal[:c, :c], min_prefix=start, chunk=True)
         chunks.append((slice(start, start + c), meta, slice(c - 1, c)))
     return chunks
 

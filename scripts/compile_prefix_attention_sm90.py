@@ -26,10 +26,6 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1}),
     ("qwen3.6-27b, one consumer", 6, 256, "bf16", {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}),
     ("fp16, head_dim 64", 4, 64, "fp16", {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1}),
-    ("qwen3-8b, two consumers taking turns", 4, 128, "bf16",
-     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "PINGPONG": True}),
-    ("qwen3.6-27b, two consumers taking turns", 6, 256, "bf16",
-     {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "PINGPONG": True}),
 )
 
 
@@ -53,8 +49,7 @@ def main() -> int:
                      "stride_qh": "i32", "keys_per_split": "i32", "qk_scale": "fp32"}
         maxnreg, consumer_regs = registers(t["CONSUMERS"], t["PER_SM"])
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "BLOCK_N": t["BLOCK_N"],
-                      "STAGES": t["STAGES"], "Q_SMEM": q_smem, "CONSUMER_REGS": consumer_regs,
-                      "PINGPONG": t.get("PINGPONG", False), "num_warps": 4}
+                      "STAGES": t["STAGES"], "Q_SMEM": q_smem, "CONSUMER_REGS": consumer_regs, "num_warps": 4}
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}

@@ -218,3 +218,11 @@ def test_generate_with_several_prompts_some_long(pair):
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
     got = chunked.generate(prompts, params, tree_budget=8)
     assert [r.token_ids for r in got] == [whole.generate(p, params, tree_budget=8).token_ids for p in prompts]
+
+
+def test_each_chunk_bounds_its_prefix_by_its_start():
+    """A chunk's meta serves one eager forward, so its prefix length is its own lower bound: the
+    tree attention may take a long prefix through its prefix kernel (`_gluon_prefix`)."""
+    chunks = prefill_chunks(10000, 4096, "cpu")
+    assert [meta.min_prefix for _, meta, _ in chunks] == [0, 4096, 8192]
+    assert [int(meta.prefix_len) for _, meta, _ in chunks[1:]] == [4096, 8192]

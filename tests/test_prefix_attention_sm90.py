@@ -49,18 +49,14 @@ def test_prefix_attention_equals_float64(heads, n, prefix, splits):
 TILINGS = {"two consumers, 64-key tiles": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1},
            "two consumers, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
            "one consumer": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
-           "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2},
-           "two consumers taking turns": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "PINGPONG": True},
-           "two consumers taking turns, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
-                                                         "PINGPONG": True}}
+           "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
 
 
 @pytest.mark.parametrize("config", TILINGS)
 @pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
 @pytest.mark.parametrize("n", [17, 65])
 def test_every_tiling_equals_float64(config, heads, n):
-    """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count, and the
-    consumers' turns (PINGPONG, opt-in)."""
+    """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count."""
     config = TILINGS[config]
     if heads[2] > 128 and (config["BLOCK_N"] > 64 or config["PER_SM"] > 1):
         pytest.skip("does not fit in one SM's shared memory or registers at head_dim 256")
@@ -144,3 +140,61 @@ def test_masked_attention_with_the_gluon_prefix(heads, context, n, monkeypatch):
     prefix.fill_(context - 150)
     graph.replay()
     torch.testing.assert_close(out.double(), masked_reference(q, k, v, block, context - 150, scale), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("heads,chunk,length", [((32, 8, 128), 1024, 9000), ((24, 4, 256), 512, 4700)],
+                         ids=["qwen3-8b", "qwen3.6-27b"])
+def test_a_prefill_chunk_attends_through_the_gluon_prefix(heads, chunk, length, monkeypatch):
+    """The chunked prefill's last chunk (`engine.prefill_chunks`' meta: its prefix bounded by its
+    start, a `chunk`) through `layers.attend`: the Gluon kernel over the prefix, cuDNN's causal
+    attention over the chunk's own keys (no Triton attention launch), equal to float64; and the
+    same chunk with the Triton kernel over its block."""
+    from ddtree.engine import prefill_chunks
+    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.models.layers import attend
+
+    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    calls = []
+    kernel = prefix_attention_sm90.prefix_attention
+    monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    rows, meta, _ = prefill_chunks(length, chunk, "cuda")[-1]
+    start, c = rows.start, rows.stop - rows.start
+    q, k, v = inputs(c, heads, meta.kv_len, seed=c)
+    scale = heads[2] ** -0.5
+    launches = []
+    triton_launch = tree_attention._launch
+    monkeypatch.setattr(tree_attention, "_launch", lambda *a, **kw: launches.append(1) or triton_launch(*a, **kw))
+    block = torch.ones(c, c, dtype=torch.bool, device="cuda").tril()
+    want = masked_reference(q, k, v, block, start, scale)
+    torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
+    assert calls == [1] and launches == []
+    meta.chunk = False
+    torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
+    assert calls == [1, 1] and launches == [1]
+
+
+def test_a_batched_prefill_chunk_attends_alone(monkeypatch):
+    """The batched engine's prefill chunk (one row of a packed forward, its meta from
+    `prefill_chunks`) attends as the solo engine's: alone, through the Gluon prefix, equal to it."""
+    from ddtree.engine import prefill_chunks
+    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.models.layers import AttentionMeta, RowSpan, attend
+
+    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    calls = []
+    kernel = prefix_attention_sm90.prefix_attention
+    monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    heads, first_slot = (32, 8, 128), 512
+    rows, alone, _ = prefill_chunks(4096 + 300, 4096, "cuda")[-1]
+    c = rows.stop - rows.start
+    q, k, v = inputs(c, heads, first_slot + alone.kv_len + 1000, seed=3)
+    packed = AttentionMeta(alone.write_slots + first_slot, first_slot + alone.kv_len,
+                           rows=[RowSpan(slice(0, c), first_slot, alone)])
+    scale = heads[2] ** -0.5
+    got = attend(q, k, v, packed, scale)
+    assert calls == [1]
+    window = slice(first_slot, first_slot + alone.kv_len)
+    torch.testing.assert_close(got, attend(q, k[window], v[window], alone, scale), atol=0, rtol=0)
+    block = torch.ones(c, c, dtype=torch.bool, device="cuda").tril()
+    torch.testing.assert_close(got.double(), masked_reference(q, k[window], v[window], block, rows.start, scale),
+                               atol=2e-2, rtol=0)

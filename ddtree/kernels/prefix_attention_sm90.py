@@ -14,9 +14,7 @@ in FlashAttention-3's form"). Here:
   tile's softmax while p.v runs: `warpgroup_mma(is_async=True)` / `warpgroup_mma_wait`, which
   Triton's `tl.dot` does not expose), releasing each slot as its product retires. With two, a
   program's 128 rows read each key tile once; the warp groups are not in lockstep (no barrier
-  between them), so one's softmax can run while the other's products hold the tensor cores.
-  PINGPONG (opt-in, `tiling`'s config; written after the GPU measurements and not yet run on a GPU)
-  makes them take turns explicitly, as FlashAttention-3's inter-warpgroup schedule does.
+  between them), so one's softmax runs while the other's products hold the tensor cores.
 
 Rows are (token, query head of the KV head's group) pairs, row = token * group + g, as in
 `tree_attention`; grid (row blocks, KV heads, splits). Splits are planned over a static bound on P
@@ -86,18 +84,10 @@ def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
-def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, turn_mine,
-              turn_other, row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale,
-              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end).
-
-    PINGPONG (two consumers; FlashAttention-3's inter-warpgroup schedule): the consumers take turns
-    issuing their products, through two mbarriers: consumer ME waits on `turn_mine` before issuing
-    an iteration's products and arrives on `turn_other` once they are issued, so the tensor cores
-    run one consumer's products while the other computes its softmax. Consumer 0 goes first (a
-    fresh barrier passes a wait on parity 1); each waits on parity (j & 1) ^ (1 - ME) at iteration
-    j, and neither can arrive twice before the other has waited, so the parities never alias."""
+def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
+              base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end)."""
     BLOCK_M: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -117,11 +107,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
     # Tile 0: q.k and its softmax; its p.v is issued with tile 1's q.k.
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK)
     mbarrier.wait(k_ready.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(turn_mine, 1 - ME)
     s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_other, count=1)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
@@ -134,18 +120,9 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        if PINGPONG:  # both products issued in this consumer's turn
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            mbarrier.wait(turn_mine, (j & 1) ^ (1 - ME))
-            s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                    is_async=True)
-            acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
-            mbarrier.arrive(turn_other, count=1)
-        else:
-            s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                    is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
+        s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_token, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
         tile_start = start + j * BLOCK_N
@@ -178,7 +155,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
 def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, stride_qt, stride_qh,
                    keys_per_split, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     split = gl.program_id(2)
@@ -202,34 +179,25 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # each consumer's arrival frees a slot
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    if PINGPONG:  # the consumers' turns
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        turn0 = turn.index(0)
-        turn1 = turn.index(1)
-    else:  # placeholders, never waited on or arrived at
-        turn0 = k_ready.index(0)
-        turn1 = k_ready.index(0)
 
     # (Partitions and their arguments are written in the call itself: tuples built before it would
     # turn their functions and constexprs into tensors.)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         turn0, turn1, row0, rows, head, base, stride_qt, stride_qh, start, end,
-                         n_tiles, qk_scale, GROUP, D, BLOCK_N, STAGES, 0, PINGPONG)),
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
+                         STAGES)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         turn1, turn0, row0 + 64, rows, head, base, stride_qt, stride_qh, start, end,
-                         n_tiles, qk_scale, GROUP, D, BLOCK_N, STAGES, 1, PINGPONG)),
+                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D,
+                         BLOCK_N, STAGES)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
                        BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         turn0, turn1, row0, rows, head, base, stride_qt, stride_qh, start, end,
-                         n_tiles, qk_scale, GROUP, D, BLOCK_N, STAGES, 0, False)),
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
+                         STAGES)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
                        BLOCK_N, STAGES)),
         ], [1], [24])
@@ -241,8 +209,7 @@ def tiling(head_dim: int, rows: int, kv_heads: int, sms: int) -> dict:
     each key tile; 128-key tiles in 2 stages at head_dim <= 128, 64-key tiles in 2 stages at 256 (Q
     64 KB + 64 KB of keys and values a stage). Where two consumers' programs could not fill the SMs
     even at 16 key splits (few rows), one consumer: twice the programs, at 64-key tiles in 3 stages
-    (head_dim <= 128: two programs an SM). PINGPONG (the consumers' turns) is never picked: it has
-    not been measured."""
+    (head_dim <= 128: two programs an SM)."""
     if triton.cdiv(rows, 128) * kv_heads * 16 < sms:
         return {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2 if head_dim <= 128 else 1}
     return {"CONSUMERS": 2, "BLOCK_N": 128 if head_dim <= 128 else 64, "STAGES": 2, "PER_SM": 1}
@@ -309,8 +276,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, n, q.stride(0), q.stride(1), keys_per_split,
                          scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers, BLOCK_N=block_n, STAGES=t["STAGES"],
-                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs,
-                         PINGPONG=t.get("PINGPONG", False) and consumers == 2, num_warps=4, maxnreg=maxnreg)
+                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return o, lse
 
 

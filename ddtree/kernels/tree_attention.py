@@ -324,7 +324,8 @@ def prefix_block_mask(prefix_len: torch.Tensor, block: torch.Tensor, kv_len: int
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                      ranges: torch.Tensor | None = None, splits: int | None = None,
                      config: AttentionConfig | None = None, prefix_len: torch.Tensor | None = None,
-                     min_prefix: int = 0, prefix_partials: tuple | None = None) -> torch.Tensor:
+                     min_prefix: int = 0, prefix_partials: tuple | None = None,
+                     causal_block: bool = False) -> torch.Tensor:
     """q [N, Hq, D]; k, v [T, Hkv, D] (any strides with a unit last one) -> out [N, Hq * D] in q's dtype.
 
     Without prefix_len: mask [N, T] bool (True: query i sees key j); ranges: `key_range(mask)` when
@@ -340,7 +341,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     before cuDNN's) the whole prefix [0, prefix_len) goes through the warp-specialised Gluon kernel
     (`prefix_attention_sm90`), the prefix length read on the device, and the kernel attends to the
     block's columns alone. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys [0, P),
-    or for the whole prefix where P is None, made by the caller instead (tests)."""
+    or for the whole prefix where P is None, made by the caller instead (tests).
+
+    causal_block (a prefill chunk): mask is the lower triangle [N, N] and prefix_len equals
+    min_prefix. With the Gluon prefix, the block's keys [P, P + N) then go through cuDNN's causal
+    attention instead of the Triton kernel (`_causal_block`), merged with the prefix by the combine
+    launch."""
     n, hq, d = q.shape
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
@@ -352,6 +358,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         t = gluon_tiling(d, rows, k.shape[1], sms)
         gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys)
         prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
+        if causal_block and (q.dtype, d) not in _CUDNN_FAILED:
+            try:
+                return _causal_block(q, k[min_prefix:min_prefix + n], v[min_prefix:min_prefix + n], scale,
+                                     prefix_partials)
+            except RuntimeError as exc:  # this cuDNN does not take the layout: the Triton kernel from now on
+                _CUDNN_FAILED.add((q.dtype, d))
+                log.warning("cuDNN causal attention failed (%s); the Triton kernel attends to the block", str(exc)[:200])
     if prefix and prefix_partials is None:
         keys = _cudnn_keys(q, k, min_prefix)
         if keys:
@@ -376,6 +389,34 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     elif ranges is None:
         ranges = key_range(mask)
     return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config, prefix_partials)
+
+
+def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix_partials: tuple) -> torch.Tensor:
+    """A prefill chunk's attention: q [N, Hq, D] over its own keys k, v [N, Hkv, D] causally, through
+    cuDNN (FlashAttention-3 class on Hopper; the Triton kernel reads the [N, N] mask tile by tile and
+    computes the masked half too), merged with the prefix's partials (`prefix_attention_sm90`'s
+    (o, lse, None)) by the combine launch -> [N, Hq * D].
+
+    Why: at Qwen3-8B shape the 32k prefill's seven later chunks took 365 ms in the Triton kernel
+    over their causal blocks, against 11 ms for cuDNN over the first chunk's, the same work
+    (verify_profile_h200_qwen3_8b_32k_prefill.json)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    rows = n * group
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, is_causal=True,
+        scale=scale)[:2]  # o [1, Hq, N, D], lse [1, Hq, N] (natural log)
+    # The block as the combine's one split of its own, rows in the kernel's order (token * group + g):
+    # its normalised output with a running max of lse (base 2) and a sum of 1.
+    part_o = torch.empty(1, hkv, n, group, d, dtype=torch.float32, device=q.device)
+    part_o[0].copy_(o[0].view(hkv, group, n, d).transpose(1, 2))
+    top = lse.reshape(hkv, group, n).transpose(1, 2).reshape(1, hkv, rows).float() * 1.4426950408889634
+    part_ml = torch.stack([top, torch.ones_like(top)], dim=-1)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    _launch_combine(part_o.view(1, hkv, rows, d), part_ml, out, rows, hkv, group, d, 1,
+                    tiling(rows, n, d, element_bytes=q.element_size()), prefix_partials)
+    return out.view(n, hq * d)
 
 
 def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float,

@@ -156,7 +156,9 @@ class AttentionMeta:
       a drafter block's every column); later keys are padding. prefix_len: [] long on the device.
       `tree_attention` reads this form directly; `mask` is made from it only where needed. With
       `min_prefix`, a lower bound of prefix_len for every call this meta (or a graph made from
-      it) serves, the kernel may take a long prefix's first keys through cuDNN.
+      it) serves, the kernel may take a long prefix's first keys through cuDNN. `chunk`: the
+      forward is a prefill chunk (`engine.prefill_chunks`): block_mask is the lower triangle and
+      prefix_len equals min_prefix, so that the block may go through a causal kernel.
     - `mask` [N, kv_len] bool: True where query i may see key j (the drafter's sliding layers).
     - neither, with `causal`: plain causal attention from an empty cache (prefill).
 
@@ -184,6 +186,7 @@ class AttentionMeta:
     prefix_len: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
     min_prefix: int = 0  # a bound prefix_len never falls below at these shapes (a graph's replays included)
+    chunk: bool = False  # a prefill chunk: block_mask causal, prefix_len == min_prefix
     parents: torch.Tensor | None = None
     depths: torch.Tensor | None = None
     length: torch.Tensor | None = None
@@ -226,6 +229,12 @@ class AttentionMeta:
         return self._shared["key_range"]
 
 
+def _one_bounded_row(meta: AttentionMeta) -> bool:
+    """On CUDA: a packed forward of one row whose meta bounds its prefix, run eagerly (a prefill chunk)."""
+    return (meta.rows is not None and len(meta.rows) == 1 and meta.rows[0].meta.min_prefix > 0
+            and not torch.cuda.is_current_stream_capturing())
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
            make_bias=mask_bias) -> torch.Tensor:
     """q: [N, Hq, D]; k, v: [T, Hkv, D] (T = meta.kv_len). Returns [N, Hq * D].
@@ -235,10 +244,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     and values are read once per KV head, never copied, with the mask as an additive bias.
 
     A packed batch (`meta.rows`): each sequence against its own slots, as if alone; on CUDA with
-    every row in the prefix form, one batched launch (`attend_padded`), else a call per row.
+    every row in the prefix form, one batched launch (`attend_padded`), else a call per row. One
+    row whose meta bounds its prefix (`min_prefix`: a chunk of a long prefill) is attended alone
+    eagerly, as `Engine` attends it: its long prefix through the tree attention's prefix kernel.
     """
     if meta.rows is not None or meta.padded is not None:
-        if q.is_cuda and tree_attention.supported(q, k):
+        if q.is_cuda and tree_attention.supported(q, k) and not _one_bounded_row(meta):
             padded = meta.padded_rows()
             if padded is not None:
                 return attend_padded(q, k, v, padded, scale)
@@ -263,7 +274,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     if q.is_cuda and tree_attention.supported(q, k):
         if meta.mask is None:
             return tree_attention.masked_attention(q, k, v, meta.block_mask, scale, prefix_len=meta.prefix_len,
-                                                   min_prefix=meta.min_prefix)
+                                                   min_prefix=meta.min_prefix, causal_block=meta.chunk)
         return tree_attention.masked_attention(q, k, v, meta.mask, scale, meta.key_range())
     qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
     bias = meta.bias(group, q.dtype, make_bias)[None, None]
