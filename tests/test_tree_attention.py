@@ -299,6 +299,35 @@ def test_whole_prefix_summed_elsewhere_leaves_the_kernel_the_block(n, hq, hkv, d
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n,hq,hkv,d,context,lib_splits", [
+    (9, 4, 2, 16, 300, 1),    # 36 rows: one row block
+    (40, 4, 1, 16, 520, 4),   # 160 rows: three row blocks
+    (6, 2, 2, 32, 200, 2),
+])  # (the prefix's partials split it evenly: `library_partials` drops a remainder)
+def test_a_causal_block_merges_with_the_whole_prefix(n, hq, hkv, d, context, lib_splits, monkeypatch):
+    """A prefill chunk's own keys (`_causal_block`: cuDNN's causal attention on a GPU, here float64 in
+    its layout, head-major) merged with the whole prefix's partials (the Gluon kernel's layout, rows
+    token-major) by the combine launch: the chunk's attention over prefix + itself causally."""
+    from ddtree.kernels import tree_attention
+
+    def causal(q, k, v, scale):  # cuDNN's outputs, in float64: o [Hq, N, D], lse [Hq, N]
+        group = q.shape[1] // k.shape[1]
+        logits = torch.einsum("nhd,thd->hnt", q.double(), k.double().repeat_interleave(group, 1)) * scale
+        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        o = torch.einsum("hnt,thd->hnd", torch.softmax(logits, -1), v.double().repeat_interleave(group, 1))
+        return o.to(q.dtype), torch.logsumexp(logits, -1).float()
+
+    monkeypatch.setattr(tree_attention, "_cudnn_causal", causal)
+    kv_len = context + n + 11
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + context, strided_cache=True)
+    o, lse = library_partials(q, k, v, context, lib_splits, d**-0.5)
+    got = tree_attention._causal_block(q, k[context:context + n], v[context:context + n], d**-0.5, (o, lse, None))
+    mask = torch.zeros(n, kv_len, dtype=torch.bool, device=DEVICE)
+    mask[:, :context] = True
+    mask[:, context:context + n] = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
 def test_cudnn_splits_by_head_dim():
     """16 chunks at head_dim <= 128; one wave of 128-row programs at 256 (the H200's best); never
     chunks under 512 keys; always a power of two."""

@@ -391,6 +391,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config, prefix_partials)
 
 
+def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's causal attention of q [N, Hq, D] over k, v [N, Hkv, D] (GQA) -> (o [Hq, N, D] in q's
+    dtype, normalised; lse [Hq, N], natural log of each row's softmax denominator, scale applied)."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, is_causal=True,
+        scale=scale)[:2]
+    return o[0], lse.reshape(o.shape[1:3])
+
+
 def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix_partials: tuple) -> torch.Tensor:
     """A prefill chunk's attention: q [N, Hq, D] over its own keys k, v [N, Hkv, D] causally, through
     cuDNN (FlashAttention-3 class on Hopper; the Triton kernel reads the [N, N] mask tile by tile and
@@ -404,13 +413,11 @@ def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     hkv = k.shape[1]
     group = hq // hkv
     rows = n * group
-    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, is_causal=True,
-        scale=scale)[:2]  # o [1, Hq, N, D], lse [1, Hq, N] (natural log)
+    o, lse = _cudnn_causal(q, k, v, scale)
     # The block as the combine's one split of its own, rows in the kernel's order (token * group + g):
     # its normalised output with a running max of lse (base 2) and a sum of 1.
     part_o = torch.empty(1, hkv, n, group, d, dtype=torch.float32, device=q.device)
-    part_o[0].copy_(o[0].view(hkv, group, n, d).transpose(1, 2))
+    part_o[0].copy_(o.view(hkv, group, n, d).transpose(1, 2))
     top = lse.reshape(hkv, group, n).transpose(1, 2).reshape(1, hkv, rows).float() * 1.4426950408889634
     part_ml = torch.stack([top, torch.ones_like(top)], dim=-1)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
