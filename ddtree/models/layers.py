@@ -229,10 +229,9 @@ class AttentionMeta:
         return self._shared["key_range"]
 
 
-def _one_bounded_row(meta: AttentionMeta) -> bool:
-    """On CUDA: a packed forward of one row whose meta bounds its prefix, run eagerly (a prefill chunk)."""
-    return (meta.rows is not None and len(meta.rows) == 1 and meta.rows[0].meta.min_prefix > 0
-            and not torch.cuda.is_current_stream_capturing())
+def _one_prefill_chunk(meta: AttentionMeta) -> bool:
+    """A packed forward of one row that is a prefill chunk (always eager)."""
+    return meta.rows is not None and len(meta.rows) == 1 and meta.rows[0].meta.chunk
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, scale: float,
@@ -245,11 +244,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
 
     A packed batch (`meta.rows`): each sequence against its own slots, as if alone; on CUDA with
     every row in the prefix form, one batched launch (`attend_padded`), else a call per row. One
-    row whose meta bounds its prefix (`min_prefix`: a chunk of a long prefill) is attended alone
-    eagerly, as `Engine` attends it: its long prefix through the tree attention's prefix kernel.
+    row that is a prefill chunk (`chunk`) is attended alone, as `Engine` attends it: its long
+    prefix through the tree attention's prefix kernel, its own keys through a causal one.
     """
     if meta.rows is not None or meta.padded is not None:
-        if q.is_cuda and tree_attention.supported(q, k) and not _one_bounded_row(meta):
+        if q.is_cuda and tree_attention.supported(q, k) and not _one_prefill_chunk(meta):
             padded = meta.padded_rows()
             if padded is not None:
                 return attend_padded(q, k, v, padded, scale)
