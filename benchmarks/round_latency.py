@@ -12,9 +12,10 @@ forward.
 
 For each prompt length, also the time to first token: the engine's first step (the prefill,
 ended by the host reading the first token), timed on a second generate call after an untimed
-first one (graph capture, compiled glue), beside the prefill's floor (`prefill_floor`). A prompt
-of over 1024 tokens is prefilled in chunks of `Engine.prefill_chunk` (--prefill-chunk). Writes
-JSON to benchmarks/results/.
+first one (graph capture, compiled glue), beside the prefill's floor (`prefill_floor`), and the
+device memory the prefill allocated at its peak beyond what was allocated before it (activations:
+the KV cache is allocated with the engine). A prompt of over 1024 tokens is prefilled in chunks of
+`Engine.prefill_chunk` (--prefill-chunk). Writes JSON to benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -140,17 +141,21 @@ def prefill_floor(prompt_len: int, chunk: int, params: int, head_params: int, kv
     return forward_floor(params, prompt_len, extra_bytes, ceilings, extra_flops=extra_flops)
 
 
-def time_prefill(engine: Engine, prompt: list[int], params: SamplingParams, budget) -> float:
-    """ms to the first token of `prompt`: the generate call's first step, the second of two calls
-    (the first captures the prefill graph or warms the compiled glue up, untimed)."""
+def time_prefill(engine: Engine, prompt: list[int], params: SamplingParams, budget) -> tuple[float, int]:
+    """(ms to the first token of `prompt`, bytes the prefill allocated at its peak beyond what was
+    allocated before it): the generate call's first step, the second of two calls (the first
+    captures the prefill graph or warms the compiled glue up, untimed)."""
     for _ in range(2):
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         gen = engine.generate(prompt, params, budget)
         start = time.perf_counter()
         next(gen)  # ends with the host reading the first token
         elapsed = (time.perf_counter() - start) * 1000
+        peak = torch.cuda.max_memory_allocated() - before
         gen.close()
-    return elapsed
+    return elapsed, peak
 
 
 def time_graph(engine: Engine, fn, reps: int = 20) -> float:
@@ -241,16 +246,17 @@ def main() -> None:
     for prompt_len, label in [(p, b) for p in prompt_lens for b in args.budgets.split(",")]:
         if prompt_len not in [row["prompt_len"] for row in prefills]:
             prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
-            ttft = time_prefill(engine, prompt, params, prefill_budget)
+            ttft, peak = time_prefill(engine, prompt, params, prefill_budget)
             chunk = prefill_chunk_tokens(engine, prompt_len)
             floor = prefill_floor(prompt_len, chunk, tparams - head_params + context_params, head_params,
                                   kv_token_bytes + draft_kv_token, kv_token_bytes, state_bytes // 2,  # written once
                                   pair_flops, ceilings) * 1000
             forwards = -(-prompt_len // chunk)
             prefills.append({"prompt_len": prompt_len, "tree_budget": str(prefill_budget), "forwards": forwards,
-                             "prefill_ms": ttft, "prefill_floor_ms": floor, "ratio_to_floor": ttft / floor})
+                             "prefill_ms": ttft, "prefill_floor_ms": floor, "ratio_to_floor": ttft / floor,
+                             "prefill_peak_extra_mib": peak / 2**20})
             print(f"{prompt_len:>6} prefill ({forwards} x {chunk} tokens, {prefill_budget})  {ttft:9.2f} ms  "
-                  f"floor {floor:8.2f} ms  x{ttft / floor:4.2f}", flush=True)
+                  f"floor {floor:8.2f} ms  x{ttft / floor:4.2f}  peak +{peak / 2**20:.0f} MiB", flush=True)
         prompt = torch.randint(0, 150000, (prompt_len,)).tolist()
         budget = parse_tree_budget(label)
         size = budget.nodes(16)

@@ -37,7 +37,7 @@ def check(got, want, prefix_rows=None):
 
 @pytest.mark.parametrize("heads", HEADS, ids=["qwen3-8b", "qwen3.6-27b", "d64"])
 @pytest.mark.parametrize("n", [1, 17, 65, 257])
-@pytest.mark.parametrize("prefix,splits", [(100, 1), (4133, 4), (32768, 16), (1000, 8)])
+@pytest.mark.parametrize("prefix,splits", [(100, 1), (4133, 4), (32768, 16), (1000, 8), (9000, 7)])
 def test_prefix_attention_equals_float64(heads, n, prefix, splits):
     keys = prefix + 300
     q, k, v = inputs(n, heads, keys)

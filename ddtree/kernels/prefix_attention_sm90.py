@@ -50,16 +50,17 @@ SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of ti
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr, QK: gl.constexpr,
                   MASKED: gl.constexpr):
-    """Online softmax of one score tile s [BLOCK_M, BLOCK_N] (float32, QK layout) in base 2:
-    -> (p, new running max, new running sum, alpha = how much the old sums shrink). MASKED: keys
-    from `end` on count for nothing (only a split's last tile needs it)."""
-    s = s * qk_scale
+    """Online softmax of one raw score tile s [BLOCK_M, BLOCK_N] (float32, QK layout) in base 2:
+    -> (p, new running max, new running sum, alpha = how much the old sums shrink). The running max
+    is kept scaled (qk_scale > 0, so max(s) * qk_scale is the scaled tile's max), which makes each
+    score's exponent one fused multiply-add. MASKED: keys from `end` on count for nothing (only a
+    split's last tile needs it)."""
     if MASKED:
         offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
         s = gl.where(offs_n[None, :] < end, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
-    p = gl.exp2(s - m_safe[:, None])
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
