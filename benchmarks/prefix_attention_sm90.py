@@ -13,8 +13,9 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
-  warp-specialised kernel over the prefix, the Triton kernel over the block's columns, one combine
-  launch);
+  warp-specialised kernel over the prefix and, in its first split, the tree's block; one combine
+  launch); `gluon_whole_triton_block`: the same with GLUON_BLOCK off (the Triton kernel over the
+  block's columns, merged in its combine launch);
 - `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
@@ -67,14 +68,18 @@ def main() -> None:
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
             switch, tree_attention.GLUON_PREFIX = tree_attention.GLUON_PREFIX, True
+            fold = tree_attention.GLUON_BLOCK
             try:  # the Gluon path whatever the rows (the engine's takes it from GLUON_MIN_ROWS on)
                 minimum, tree_attention.GLUON_MIN_ROWS = tree_attention.GLUON_MIN_ROWS, {64: 1, 128: 1, 256: 1}
-                row["gluon_whole_us"] = call_us(
-                    lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
+                for key, block_in_gluon in (("gluon_whole_us", True), ("gluon_whole_triton_block_us", False)):
+                    tree_attention.GLUON_BLOCK = block_in_gluon
+                    row[key] = call_us(
+                        lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
             except Exception as error:
                 row["gluon_whole_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             finally:
                 tree_attention.GLUON_PREFIX, tree_attention.GLUON_MIN_ROWS = switch, minimum
+                tree_attention.GLUON_BLOCK = fold
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))

@@ -45,8 +45,9 @@ def main() -> int:
         q_smem, kv_smem = shared_layouts(head_dim, dtype, 64, t["BLOCK_N"])
         descriptor = f"tensordesc<{dtype_name}[{t['BLOCK_N']}, {head_dim}],{kv_smem!r}>"
         signature = {"q_ptr": f"*{dtype_name}", "k_desc": descriptor, "v_desc": descriptor, "o_ptr": f"*{dtype_name}",
-                     "lse_ptr": "*fp32", "prefix_ptr": "*i32", "n_tokens": "i32", "stride_qt": "i32",
-                     "stride_qh": "i32", "keys_per_split": "i32", "qk_scale": "fp32"}
+                     "lse_ptr": "*fp32", "prefix_ptr": "*i32", "mask_ptr": "*u8", "n_tokens": "i32",
+                     "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "block_cols": "i32",
+                     "mask_stride": "i32", "qk_scale": "fp32"}
         maxnreg, consumer_regs = registers(t["CONSUMERS"], t["PER_SM"])
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "BLOCK_N": t["BLOCK_N"],
                       "STAGES": t["STAGES"], "Q_SMEM": q_smem, "CONSUMER_REGS": consumer_regs, "num_warps": 4}

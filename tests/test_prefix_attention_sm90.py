@@ -98,6 +98,10 @@ def test_refuses_what_it_cannot_run():
     q, k, v = inputs(4, (8, 2, 64), 128, dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
         prefix_attention(q, k, v, torch.tensor(64, dtype=torch.int32, device="cuda"), 128, 1, 0.125)
+    q, k, v = inputs(4, (8, 2, 64), 128)
+    with pytest.raises(ValueError, match="bool mask"):
+        prefix_attention(q, k, v, torch.tensor(64, dtype=torch.int32, device="cuda"), 64, 1, 0.125,
+                         block=torch.ones(3, 4, dtype=torch.bool, device="cuda"))
 
 
 def masked_reference(q, k, v, block, prefix, scale):
@@ -114,17 +118,35 @@ def masked_reference(q, k, v, block, prefix, scale):
     return torch.einsum("hnt,thd->nhd", weights, vv).reshape(n, hq * d)
 
 
+@pytest.mark.parametrize("heads", HEADS, ids=["qwen3-8b", "qwen3.6-27b", "d64"])
+@pytest.mark.parametrize("n", [17, 65, 257])
+@pytest.mark.parametrize("prefix,splits", [(4133, 4), (32768, 11), (1000, 7)])
+def test_the_block_in_the_first_split_equals_float64(heads, n, prefix, splits):
+    """With the tree's mask the first split also attends to the block's keys [P, P + N), each row
+    seeing those its token's mask allows; the other splits are as without it."""
+    keys = prefix + 2 * n + 300
+    q, k, v = inputs(n, heads, keys, seed=n)
+    gen = torch.Generator(device="cuda").manual_seed(n + 1)
+    block = (torch.rand(n, n, device="cuda", generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool, device="cuda")
+    scale = heads[2] ** -0.5
+    max_keys = prefix + 300
+    got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), max_keys, splits, scale,
+                           block=block)
+    check(got, reference(q, k, v, prefix, max_keys, splits, scale, block=block))
+
+
 @pytest.mark.parametrize("heads,context,n", [((32, 8, 128), 32768, 65), ((32, 8, 128), 8192, 257),
                                              ((24, 4, 256), 8192, 65)], ids=["8b-32k-65", "8b-8k-257", "27b-8k-65"])
-
-
-def test_masked_attention_with_the_gluon_prefix(heads, context, n, monkeypatch):
-    """DDTREE_GLUON_PREFIX's path in `masked_attention`: the Gluon kernel over the prefix, the Triton
-    kernel over the tree's block, one combine: equal to float64, eagerly and as a graph replayed
-    after the prefix length changed on the device."""
+@pytest.mark.parametrize("fold", [True, False], ids=["block-in-gluon", "block-in-triton"])
+def test_masked_attention_with_the_gluon_prefix(heads, context, n, fold, monkeypatch):
+    """DDTREE_GLUON_PREFIX's path in `masked_attention`: the Gluon kernel over the prefix and the
+    tree's block (or, GLUON_BLOCK off, the Triton kernel over the block), one combine: equal to
+    float64, eagerly and as a graph replayed after the prefix length and the tree changed on the
+    device."""
     from ddtree.kernels import tree_attention
 
     monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    monkeypatch.setattr(tree_attention, "GLUON_BLOCK", fold)
     keys = context + n + 300
     q, k, v = inputs(n, heads, keys)
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -138,6 +160,7 @@ def test_masked_attention_with_the_gluon_prefix(heads, context, n, monkeypatch):
     with torch.cuda.graph(graph):
         out = call()
     prefix.fill_(context - 150)
+    block.copy_(block.roll(1, dims=1) | torch.eye(n, dtype=torch.bool, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out.double(), masked_reference(q, k, v, block, context - 150, scale), atol=2e-2, rtol=0)
 
@@ -168,9 +191,13 @@ def test_a_prefill_chunk_attends_through_the_gluon_prefix(heads, chunk, length, 
     want = masked_reference(q, k, v, block, start, scale)
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
     assert calls == [1] and launches == []
-    meta.chunk = False
+    meta.chunk = False  # a verify's form: the block through the mask, in the Gluon launch or the Triton kernel
+    monkeypatch.setattr(tree_attention, "GLUON_BLOCK_MAX_COLS", c)
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
-    assert calls == [1, 1] and launches == [1]
+    assert calls == [1, 1] and launches == []
+    monkeypatch.setattr(tree_attention, "GLUON_BLOCK", False)
+    torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
+    assert calls == [1, 1, 1] and launches == [1]
 
 
 def test_a_batched_prefill_chunk_attends_alone(monkeypatch):

@@ -260,6 +260,29 @@ def library_partials(q, k, v, keys, splits, scale):
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
 
 
+@pytest.mark.parametrize("n,hq,hkv,d,context,lib_splits", [
+    (9, 4, 2, 16, 300, 3),    # 36 rows
+    (40, 4, 1, 16, 520, 4),   # 160 rows
+    (5, 2, 2, 32, 200, 1),
+    (6, 4, 2, 16, 700, 7),    # splits past the prefix: no key of their own
+])
+def test_partials_with_the_block_merge_alone(n, hq, hkv, d, context, lib_splits):
+    """The Gluon kernel's partials with the tree's block in its first split (here its float64
+    reference, `prefix_attention_sm90.reference`) merged by the combine launch with no split of its
+    own (`_merge_library`): the whole attention, against float64."""
+    from ddtree.kernels import tree_attention
+    from ddtree.kernels.prefix_attention_sm90 import reference as gluon_reference
+
+    kv_len = context + n + 11
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + context, strided_cache=True)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block = mask[:, context:context + n].contiguous()
+    max_keys = context + 64 if lib_splits < 7 else 2 * context
+    o, lse = gluon_reference(q, k, v, context, max_keys, lib_splits, d**-0.5, block=block)
+    got = tree_attention._merge_library(q, o.to(q.dtype), lse.float(), n, None)
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("n,hq,hkv,d,context,library_keys,lib_splits", [
     (9, 4, 2, 16, 300, 128, 1),   # 36 rows: one row block; the kernel's part starts mid-prefix
     (9, 4, 2, 16, 300, 256, 4),   # 44 keys of prefix left to the kernel: no whole key block

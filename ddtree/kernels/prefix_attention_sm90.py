@@ -16,6 +16,11 @@ in FlashAttention-3's form"). Here:
   program's 128 rows read each key tile once; the warp groups are not in lockstep (no barrier
   between them), so one's softmax runs while the other's products hold the tensor cores.
 
+Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
+[P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
+verify's whole attention and no other kernel reads the block (the Triton kernel's launch over it
+cost more than its few products: benchmarks/README.md, "The tree's block in the prefix kernel").
+
 Rows are (token, query head of the KV head's group) pairs, row = token * group + g, as in
 `tree_attention`; grid (row blocks, KV heads, splits). Splits are planned over a static bound on P
 and read P on the device, so one CUDA graph serves every committed length.
@@ -48,16 +53,11 @@ SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of ti
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr, QK: gl.constexpr,
-                  MASKED: gl.constexpr):
-    """Online softmax of one raw score tile s [BLOCK_M, BLOCK_N] (float32, QK layout) in base 2:
-    -> (p, new running max, new running sum, alpha = how much the old sums shrink). The running max
-    is kept scaled (qk_scale > 0, so max(s) * qk_scale is the scaled tile's max), which makes each
-    score's exponent one fused multiply-add. MASKED: keys from `end` on count for nothing (only a
-    split's last tile needs it)."""
-    if MASKED:
-        offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
-        s = gl.where(offs_n[None, :] < end, s, float("-inf"))
+def _softmax_tile(s, m_i, l_i, qk_scale):
+    """Online softmax of one raw score tile s [BLOCK_M, BLOCK_N] (float32, -inf where a key counts
+    for nothing) in base 2: -> (p, new running max, new running sum, alpha = how much the old sums
+    shrink). The running max is kept scaled (qk_scale > 0, so max(s) * qk_scale is the scaled
+    tile's max), which makes each score's exponent one fused multiply-add."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
     p = gl.exp2(s * qk_scale - m_safe[:, None])
@@ -67,28 +67,51 @@ def _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, column,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Key tile i, then value tile i, for i in [0, n_tiles), each into slot i % STAGES of its ring
-    once the consumers have released the slot's previous tile."""
-    for i in range(n_tiles):
+def _keys_before(s, tile_start, end, BLOCK_N: gl.constexpr, QK: gl.constexpr):
+    """s with the keys of the tile at tile_start from `end` on at -inf (a split's last tile)."""
+    offs_n = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
+    return gl.where(offs_n[None, :] < end, s, float("-inf"))
+
+
+@gluon.jit
+def _block_seen(s, col0, block_cols, mask_ptr, mask_stride, row0, rows, GROUP: gl.constexpr,
+                BLOCK_N: gl.constexpr, QK: gl.constexpr):
+    """s with the block's columns [col0, col0 + BLOCK_N) at -inf where the row's token does not
+    see them (mask [N, block_cols], uint8, token t sees block key j where mask[t, j]) or past the
+    block."""
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
+    rws = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, QK))
+    seen = gl.load(mask_ptr + (rws // GROUP)[:, None] * mask_stride + cols[None, :],
+                   mask=(rws[:, None] < rows) & (cols[None, :] < block_cols), other=0)
+    return gl.where(seen != 0, s, float("-inf"))
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix, n_block,
+            column, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key tile i, then value tile i, for the split's n_tiles from `start` and then the block's
+    n_block from `prefix`, each into slot i % STAGES of its ring once the consumers have released
+    the slot's previous tile."""
+    for i in range(n_tiles + n_block):
         slot = i % STAGES
         phase = (i // STAGES) & 1
+        key = gl.where(i < n_tiles, start + i * BLOCK_N, prefix + (i - n_tiles) * BLOCK_N)
         # A fresh barrier counts as having completed the phase before phase 0: the first STAGES
         # waits (on phase 1) pass at once.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + i * BLOCK_N, column], k_ready.index(slot), k_ring.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [key, column], k_ready.index(slot), k_ring.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [start + i * BLOCK_N, column], v_ready.index(slot), v_ring.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [key, column], v_ready.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
-              base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end)."""
+              base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
+              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end), then
+    over the block's n_block tiles of columns (none but in the first split)."""
     BLOCK_M: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -113,11 +136,11 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
     mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, start, end, qk_scale, BLOCK_N, QK, True)
+    p, m_i, l_i, alpha = _softmax_tile(_keys_before(s, start, end, BLOCK_N, QK), m_i, l_i, qk_scale)
     p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
     acc = gl.zeros([BLOCK_M, D], gl.float32, PV)
 
-    for j in range(1, n_tiles):
+    for j in range(1, n_tiles + n_block):
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -127,17 +150,19 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
         s = warpgroup_mma_wait(1, deps=(s_token, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
         tile_start = start + j * BLOCK_N
-        if tile_start + BLOCK_N <= end:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, False)
-        else:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, tile_start, end, qk_scale, BLOCK_N, QK, True)
+        if j >= n_tiles:  # the block's columns, seen through the tree's mask
+            s = _block_seen(s, (j - n_tiles) * BLOCK_N, block_cols, mask_ptr, mask_stride, row0, rows, GROUP,
+                            BLOCK_N, QK)
+        elif tile_start + BLOCK_N > end:
+            s = _keys_before(s, tile_start, end, BLOCK_N, QK)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)  # p.v of tile j - 1 has read its values
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
 
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    last = (n_tiles + n_block - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles + n_block - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
 
@@ -153,8 +178,9 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
 
 
 @gluon.jit
-def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, stride_qt, stride_qh,
-                   keys_per_split, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, n_tokens, stride_qt, stride_qh,
+                   keys_per_split, block_cols, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
+                   CONSUMERS: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
@@ -162,9 +188,13 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, 
     split = gl.program_id(2)
     rows = n_tokens * GROUP
     dtype: gl.constexpr = q_ptr.dtype.element_ty
+    prefix = gl.load(prefix_ptr)
     start = split * keys_per_split
-    end = gl.minimum(start + keys_per_split, gl.load(prefix_ptr))
+    end = gl.minimum(start + keys_per_split, prefix)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)  # one (masked) tile for a split past P
+    # The first split's programs also read the block's columns [P, P + block_cols) (none: 0): they
+    # are dispatched first, so the programs after them even out their longer run.
+    n_block = gl.where(split == 0, gl.cdiv(block_cols, BLOCK_N), 0)
     base = (split * gl.num_programs(1) + head) * rows
     row0 = pid_m * CONSUMERS * 64
 
@@ -186,21 +216,21 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, n_tokens, 
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
-                         STAGES)),
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D,
-                         BLOCK_N, STAGES)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
-                       BLOCK_N, STAGES)),
+                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
+                       n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, qk_scale, GROUP, D, BLOCK_N,
-                         STAGES)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, head * D,
-                       BLOCK_N, STAGES)),
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
+                       n_block, head * D, BLOCK_N, STAGES)),
         ], [1], [24])
 
 
@@ -248,11 +278,16 @@ def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, max_keys: int,
-                     splits: int, scale: float, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     splits: int, scale: float, config: dict | None = None,
+                     block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
     device scalar, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
     the module docstring. bf16 / fp16 on sm_90; q's last dim and k's and v's last two contiguous, and
-    k, v finite past the prefix. `config` overrides `tiling`'s entries (tests, benchmarks)."""
+    k, v finite past the prefix. `config` overrides `tiling`'s entries (tests, benchmarks).
+
+    block: the tree's mask [N, M] (bool; token i sees key prefix_len + j where block[i, j]): the
+    first split then attends to those M keys too, so that the splits' merge is the whole attention
+    (the prefix's keys past max_keys, if any, count for nothing there: max_keys + M <= T)."""
     n, hq, d = q.shape
     t_keys, hkv, _ = k.shape
     group = hq // hkv
@@ -273,18 +308,26 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     q_smem, kv_smem = shared_layouts(d, q.dtype, 64, block_n)
     k_desc = TensorDescriptor(k, [t_keys, hkv * d], [k.stride(0), 1], [block_n, d], kv_smem)
     v_desc = TensorDescriptor(v, [t_keys, hkv * d], [v.stride(0), 1], [block_n, d], kv_smem)
+    if block is not None and (block.dtype != torch.bool or block.dim() != 2 or block.shape[0] != n):
+        raise ValueError(f"prefix_attention's block is a bool mask [{n}, M], got {block.dtype} {tuple(block.shape)}")
+    if block is not None:
+        mask, block_cols = block.contiguous().view(torch.uint8), block.shape[1]
+    else:  # never read: no program has block columns
+        mask, block_cols = torch.zeros(1, 1, dtype=torch.uint8, device=q.device), 0
     maxnreg, consumer_regs = registers(consumers, t["PER_SM"])
     grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
-    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, n, q.stride(0), q.stride(1), keys_per_split,
-                         scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers, BLOCK_N=block_n, STAGES=t["STAGES"],
+    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, n, q.stride(0), q.stride(1), keys_per_split,
+                         block_cols, mask.stride(0), scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers,
+                         BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return o, lse
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, max_keys: int, splits: int,
-              scale: float, split_keys: int = SPLIT_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, split_keys: int = SPLIT_KEYS,
+              block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_attention` in float64 with PyTorch, split for split, splits rounded to `split_keys`
-    keys as the kernel rounds them (for tests)."""
+    keys as the kernel rounds them, the block's keys in the first split (for tests)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -295,11 +338,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, ma
     lse = torch.full((splits, hkv, rows), -math.inf, dtype=torch.float64, device=q.device)
     for s in range(splits):
         lo, hi = s * keys_per_split, min((s + 1) * keys_per_split, prefix)
-        if hi <= lo:
+        keys = torch.arange(lo, max(lo, hi), device=q.device)
+        seen = torch.ones(rows, len(keys), dtype=torch.bool, device=q.device)
+        if block is not None and s == 0:
+            keys = torch.cat([keys, prefix + torch.arange(block.shape[1], device=q.device)])
+            seen = torch.cat([seen, block.repeat_interleave(group, 0)], dim=1)
+        if len(keys) == 0:
             continue
-        kk = k[lo:hi].double().permute(1, 0, 2)
-        vv = v[lo:hi].double().permute(1, 0, 2)
-        logits = qf @ kk.transpose(1, 2) * scale
+        kk = k[keys].double().permute(1, 0, 2)
+        vv = v[keys].double().permute(1, 0, 2)
+        logits = (qf @ kk.transpose(1, 2) * scale).masked_fill(~seen[None], -math.inf)
         lse[s] = torch.logsumexp(logits, -1)
-        o[s] = torch.softmax(logits, -1) @ vv
+        o[s] = torch.nan_to_num(torch.softmax(logits, -1)) @ vv
     return o, lse

@@ -220,6 +220,13 @@ def _cudnn_keys(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> int:
 # many enough to gain (H200, benchmarks/prefix_attention_sm90.py: at head_dim 128, 68 rows lose
 # 3 us to the extra launch and 260 gain 11 us; at 256, 102 rows gain 22 us over 32k keys).
 GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
+# With it, the tree's block goes through the same launch (its first split reads the block's columns
+# through the mask) instead of a Triton launch of its own; DDTREE_GLUON_BLOCK=0 keeps the latter.
+# Up to GLUON_BLOCK_MAX_COLS columns (three 128-key tiles): the first split's programs read them all,
+# which a wider block (budgets of 512 and more) would leave running long after the others (measured
+# at 65 and 257 columns).
+GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
+GLUON_BLOCK_MAX_COLS = 384
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
 
@@ -339,8 +346,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     [0, P), P = min_prefix rounded down to CUDNN_QUANTUM, go through cuDNN (`cudnn_prefix`) and
     the kernel attends to the rest, merging both in its combine launch. On sm_90 (`_gluon_prefix`,
     before cuDNN's) the whole prefix [0, prefix_len) goes through the warp-specialised Gluon kernel
-    (`prefix_attention_sm90`), the prefix length read on the device, and the kernel attends to the
-    block's columns alone. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys [0, P),
+    (`prefix_attention_sm90`), the prefix length read on the device, and so do the block's columns
+    (its first split's programs read them through the mask; GLUON_BLOCK), leaving the combine
+    launch alone to merge its splits. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys [0, P),
     or for the whole prefix where P is None, made by the caller instead (tests).
 
     causal_block (a prefill chunk): mask is the lower triangle [N, N] and prefix_len equals
@@ -357,6 +365,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         sms = _sm_count(q.device)
         t = gluon_tiling(d, rows, k.shape[1], sms)
         gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys)
+        if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
+            o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
+            return _merge_library(q, o, lse, mask.shape[1], config)
         prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
         if causal_block and (q.dtype, d) not in _CUDNN_FAILED:
             try:
@@ -389,6 +400,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     elif ranges is None:
         ranges = key_range(mask)
     return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config, prefix_partials)
+
+
+def _merge_library(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, block_cols: int,
+                   config: AttentionConfig | None) -> torch.Tensor:
+    """The combine launch over partials (o, lse) in `cudnn_prefix`'s layout that cover every key a
+    row sees (the Gluon kernel's splits with the tree's block) -> out [N, Hq * D] in q's dtype."""
+    n, hq, d = q.shape
+    hkv = o.shape[1]
+    rows = o.shape[2]
+    config = config or tiling(rows, block_cols, d, element_bytes=q.element_size())
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
+    _launch_combine(lse, lse, out, rows, hkv, hq // hkv, d, 0, config, (o, lse, None))  # no split of its own
+    return out.view(n, hq * d)
 
 
 def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,10 +545,10 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
                     config: AttentionConfig, library=None) -> None:
     """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
-    split at a time, the library's partials (`_launch`) merged too. Programs (row block, KV head,
-    head-dim chunk)."""
+    split at a time, the library's partials (`_launch`) merged too (splits 0: the library's alone).
+    Programs (row block, KV head, head-dim chunk)."""
     combine_d = min(config.combine_block_d, d)
-    splits_p = triton.next_power_of_2(splits)
+    splits_p = triton.next_power_of_2(max(splits, 1))
     tiled = config.combine_tiled if config.combine_tiled is not None else rows <= 16
     tiled = tiled and library is None
     lib_o, lib_lse, _ = library if library is not None else (out, out, 0)
