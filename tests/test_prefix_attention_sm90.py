@@ -147,6 +147,7 @@ def test_masked_attention_with_the_gluon_prefix(heads, context, n, fold, monkeyp
 
     monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
     monkeypatch.setattr(tree_attention, "GLUON_BLOCK", fold)
+    monkeypatch.setattr(tree_attention, "GLUON_BLOCK_HEAD_DIMS", (64, 128, 256))  # the kernel's path at every head dim
     keys = context + n + 300
     q, k, v = inputs(n, heads, keys)
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -193,6 +194,7 @@ def test_a_prefill_chunk_attends_through_the_gluon_prefix(heads, chunk, length, 
     assert calls == [1] and launches == []
     meta.chunk = False  # a verify's form: the block through the mask, in the Gluon launch or the Triton kernel
     monkeypatch.setattr(tree_attention, "GLUON_BLOCK_MAX_COLS", c)
+    monkeypatch.setattr(tree_attention, "GLUON_BLOCK_HEAD_DIMS", (64, 128, 256))
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
     assert calls == [1, 1] and launches == []
     monkeypatch.setattr(tree_attention, "GLUON_BLOCK", False)
