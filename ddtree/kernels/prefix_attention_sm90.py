@@ -1,6 +1,6 @@
-"""The unmasked prefix of a verify's attention on Hopper (sm_90), written in Gluon: N query tokens
-over keys [0, P) of the KV cache, P a device scalar, split over the keys, with the work of a program
-divided among partitions of warps as FlashAttention-3 does.
+"""The unmasked prefix of a verify's attention on Hopper (sm_90), and with it the tree's own block,
+written in Gluon: N query tokens over keys [0, P) of the KV cache, P a device scalar, split over the
+keys, with the work of a program divided among partitions of warps as FlashAttention-3 does.
 
 Why: over long contexts the tree attention is nearly all prefix (every row sees every key). The
 Triton kernel runs the prefix loop's two products near the matmul rate, but its softmax does not
