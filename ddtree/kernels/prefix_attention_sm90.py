@@ -312,8 +312,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         raise ValueError(f"prefix_attention's block is a bool mask [{n}, M], got {block.dtype} {tuple(block.shape)}")
     if block is not None:
         mask, block_cols = block.contiguous().view(torch.uint8), block.shape[1]
-    else:  # never read: no program has block columns
-        mask, block_cols = torch.zeros(1, 1, dtype=torch.uint8, device=q.device), 0
+    else:  # never read (no program has block columns): empty, so no fill launch on every call
+        mask, block_cols = torch.empty(1, 1, dtype=torch.uint8, device=q.device), 0
     maxnreg, consumer_regs = registers(consumers, t["PER_SM"])
     grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, n, q.stride(0), q.stride(1), keys_per_split,
