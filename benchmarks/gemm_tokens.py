@@ -12,7 +12,8 @@ keep the fastest, which the capture then records ("tuned_us"; its choices under 
 On CUDA builds TunableOp has only cuBLAS's default solution, so "tuned_us" measures its overhead.
 --blas times every shape under each library PyTorch can route a bf16 matmul through
 (`torch.backends.cuda.preferred_blas_library`): cuBLAS's gemm and cuBLASLt's heuristic choice
-pick different kernels for the same skinny shape.
+pick different kernels for the same skinny shape; `inductor` there is `torch.compile`'s
+max-autotune choice (its Triton GEMM templates or cuBLAS, whichever it timed fastest).
 """
 from __future__ import annotations
 
@@ -33,15 +34,21 @@ SHAPES_8B = {"gate_up": (4096, 24576), "down": (12288, 4096), "attn_qkv": (4096,
              "lm_head": (4096, 151936)}
 
 
-def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64, tuned: bool = False) -> float:
+def time_linear(k: int, n: int, m: int, copies: int = 8, calls: int = 64, tuned: bool = False,
+                inductor: bool = False) -> float:
     """us per call of x [m, k] @ W.T for W [n, k] in bf16 (tuned: with TunableOp on, tuning in the
-    warm-up calls)."""
+    warm-up calls; inductor: through `torch.compile`'s max-autotune, which times its Triton GEMM
+    templates against cuBLAS for this shape and keeps the fastest)."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
+    if inductor:
+        torch._dynamo.reset()
+        linear = torch.compile(linear, mode="max-autotune-no-cudagraphs", dynamic=False)
     torch.cuda.tunable.enable(tuned)
     torch.cuda.tunable.tuning_enable(tuned)
     try:
-        return graph_call_us(lambda i: torch.nn.functional.linear(x, weights[i % copies]), calls, warm=copies)
+        return graph_call_us(lambda i: linear(x, weights[i % copies]), calls, warm=copies)
     finally:
         torch.cuda.tunable.enable(False)
 
@@ -51,7 +58,8 @@ def main() -> None:
     p.add_argument("output")
     p.add_argument("--tokens", default="1,16,17,48,64,65,72,80,96,128")
     p.add_argument("--tunableop", action="store_true", help="also time each shape with TunableOp's choice")
-    p.add_argument("--blas", default=None, help="libraries to time each shape under, comma-separated: cublas, cublaslt")
+    p.add_argument("--blas", default=None,
+                   help="libraries to time each shape under, comma-separated: cublas, cublaslt, inductor")
     p.add_argument("--shape", choices=["qwen3.6-27b", "qwen3-8b"], default="qwen3.6-27b")
     args = p.parse_args()
     shapes = SHAPES if args.shape == "qwen3.6-27b" else SHAPES_8B
@@ -59,11 +67,11 @@ def main() -> None:
     libraries = args.blas.split(",") if args.blas else [None]
     rows = []
     for library in libraries:
-        if library is not None:
+        if library not in (None, "inductor"):
             torch.backends.cuda.preferred_blas_library(library)
         for name, (k, n) in shapes.items():
             for m in tokens:
-                us = time_linear(k, n, m)
+                us = time_linear(k, n, m, inductor=library == "inductor")
                 rows.append({"shape": name, "K": k, "N": n, "tokens": m, "us": us, "weight_GBps": k * n * 2 / us / 1e3})
                 if library is not None:
                     rows[-1]["blas"] = library

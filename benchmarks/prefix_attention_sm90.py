@@ -2,13 +2,15 @@
 tree attention's Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
     python benchmarks/prefix_attention_sm90.py [--heads 32,8,128] [--context 32768] [--tokens 17,65,257]
-        [--repeats R] [--output FILE.json]
+        [--repeats R] [--splits 8,12,16] [--output FILE.json]
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
   (`splits_for`: `plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
-  tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows;
+  tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows
+  (`ws_default_no_idle_skip`: the same with the last row block's second warp group computing its
+  rows past the end, as before SKIP_IDLE; --splits: the default at more split counts);
   with --repeats, the median of R passes over all of them (`_all_us`: each pass's);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
@@ -44,8 +46,10 @@ def main() -> None:
     ap.add_argument("--context", default="32768")
     ap.add_argument("--tokens", default="17,65,257")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the Gluon tilings (their median is kept)")
+    ap.add_argument("--splits", default=None, help="more key split counts to time the default tiling at, e.g. 8,12,16")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    extra_splits = [int(x) for x in args.splits.split(",")] if args.splits else []
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceilings = measure_ceilings(torch.device("cuda"))
@@ -93,10 +97,13 @@ def main() -> None:
                                "c2_n64_st4": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 4, "PER_SM": 1},
                                "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
+            if ws_tilings["default"]["CONSUMERS"] == 2:  # the last row block's idle warp group computing
+                ws_tilings["default_no_idle_skip"] = ws_tilings["default"] | {"SKIP_IDLE": False}
+            runs = [(label, config, sm90.splits_for(config, rows, hkv, sms, keys)) for label, config in ws_tilings.items()]
+            runs += [("default", ws_tilings["default"], splits) for splits in extra_splits]
             times = {}
             for _ in range(args.repeats):  # every tiling once a pass, so that drift between passes hits all alike
-                for label, config in ws_tilings.items():
-                    splits = sm90.splits_for(config, rows, hkv, sms, keys)
+                for label, config, splits in runs:
                     if f"ws_{label}_error" in row:
                         continue
                     try:

@@ -14,7 +14,9 @@ in FlashAttention-3's form"). Here:
   tile's softmax while p.v runs: `warpgroup_mma(is_async=True)` / `warpgroup_mma_wait`, which
   Triton's `tl.dot` does not expose), releasing each slot as its product retires. With two, a
   program's 128 rows read each key tile once; the warp groups are not in lockstep (no barrier
-  between them), so one's softmax runs while the other's products hold the tensor cores.
+  between them), so one's softmax runs while the other's products hold the tensor cores. A warp
+  group with no real row (the last row block's second, e.g. at 65 tokens x 4 heads) does nothing
+  and its partner releases each slot for both (`SKIP_IDLE`, a tiling entry, on unless set False).
 
 Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
 [P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
@@ -109,10 +111,26 @@ def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 
 @gluon.jit
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
               base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp group's 64 query rows [row0, row0 + 64) over the split's keys [start, end), then
-    over the block's n_block tiles of columns (none but in the first split)."""
+              idle, partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warp group's 64 query rows [row0, row0 + 64), or nothing where `idle` (the last row
+    block's second warp group with no real row: its partner then releases each slot for it, and
+    runs its products with the tensor cores to itself)."""
+    if idle == 0:
+        _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
+                base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
+                partner_idle, GROUP, D, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
+            base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
+            partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The rows [row0, row0 + 64) over the split's keys [start, end), then over the block's n_block
+    tiles of columns (none but in the first split). Each slot's release counts for both warp groups
+    where the partner is idle (partner_idle), so the loader never waits on it."""
     BLOCK_M: gl.constexpr = 64
+    release_twice = partner_idle != 0
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -134,6 +152,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
     s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(0), count=1, pred=release_twice)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
     p, m_i, l_i, alpha = _softmax_tile(_keys_before(s, start, end, BLOCK_N, QK), m_i, l_i, qk_scale)
@@ -149,6 +168,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
         acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_token, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
+        mbarrier.arrive(k_empty.index(slot), count=1, pred=release_twice)
         tile_start = start + j * BLOCK_N
         if j >= n_tiles:  # the block's columns, seen through the tree's mask
             s = _block_seen(s, (j - n_tiles) * BLOCK_N, block_cols, mask_ptr, mask_stride, row0, rows, GROUP,
@@ -158,6 +178,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)  # p.v of tile j - 1 has read its values
+        mbarrier.arrive(v_empty.index(prev), count=1, pred=release_twice)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
 
@@ -180,7 +201,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v
 @gluon.jit
 def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, n_tokens, stride_qt, stride_qh,
                    keys_per_split, block_cols, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
-                   CONSUMERS: gl.constexpr,
+                   CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
@@ -197,6 +218,11 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     n_block = gl.where(split == 0, gl.cdiv(block_cols, BLOCK_N), 0)
     base = (split * gl.num_programs(1) + head) * rows
     row0 = pid_m * CONSUMERS * 64
+    # The last row block's second warp group may have no real row (e.g. 65 tokens x 4 heads = 260
+    # rows: its rows 320-383); it then does nothing and the first runs alone (SKIP_IDLE).
+    tail_idle = (row0 + 64 >= rows).to(gl.int32)
+    if not SKIP_IDLE:
+        tail_idle = tail_idle * 0
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, D], Q_SMEM)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -217,10 +243,10 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, tail_idle, GROUP, D, BLOCK_N, STAGES)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, tail_idle, False, GROUP, D, BLOCK_N, STAGES)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
                        n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -228,7 +254,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
                        n_block, head * D, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -318,7 +344,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, n, q.stride(0), q.stride(1), keys_per_split,
                          block_cols, mask.stride(0), scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers,
-                         BLOCK_N=block_n, STAGES=t["STAGES"],
+                         SKIP_IDLE=t.get("SKIP_IDLE", True), BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return o, lse
 

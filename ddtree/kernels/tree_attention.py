@@ -224,13 +224,11 @@ GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
 # through the mask) instead of a Triton launch of its own; DDTREE_GLUON_BLOCK=0 keeps the latter.
 # Up to GLUON_BLOCK_MAX_COLS columns (three 128-key tiles): the first split's programs read them all,
 # which a wider block (budgets of 512 and more) would leave running long after the others (measured
-# at 65 and 257 columns). At the head dims of GLUON_BLOCK_HEAD_DIMS only: at 128 it was measured to
-# gain (H200, Qwen3-8B heads); at 256 (Qwen3.6-27B) its rounds were no faster than an earlier
-# lease's without it and no same-lease comparison was made, and there its programs fill one wave,
-# so the first split's extra tiles lengthen the launch instead of being evened out.
+# at 65 and 257 columns). Measured on the H200 at 32k tokens, same lease: Qwen3-8B's rounds at
+# budget 64 / 256 10.21 / 20.95 -> 9.87 / 20.46 ms; Qwen3.6-27B's (head_dim 256) 20.99 / 38.83 ->
+# 20.91 / 38.52 and 20.88 / 38.67 (benchmarks/README.md, "The tree's block in the prefix kernel").
 GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
-GLUON_BLOCK_HEAD_DIMS = (64, 128)
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
 
@@ -350,8 +348,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     [0, P), P = min_prefix rounded down to CUDNN_QUANTUM, go through cuDNN (`cudnn_prefix`) and
     the kernel attends to the rest, merging both in its combine launch. On sm_90 (`_gluon_prefix`,
     before cuDNN's) the whole prefix [0, prefix_len) goes through the warp-specialised Gluon kernel
-    (`prefix_attention_sm90`), the prefix length read on the device, and at head_dim 64 / 128 so
-    do the block's columns (its first split's programs read them through the mask; GLUON_BLOCK),
+    (`prefix_attention_sm90`), the prefix length read on the device, and so do the block's columns
+    (its first split's programs read them through the mask; GLUON_BLOCK),
     leaving the combine launch alone to merge its splits; elsewhere the kernel attends to the
     block's columns alone. prefix_partials: (o, lse, P) in `cudnn_prefix`'s layout for keys
     [0, P), or for the whole prefix where P is None, made by the caller instead (tests).
@@ -370,8 +368,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         sms = _sm_count(q.device)
         t = gluon_tiling(d, rows, k.shape[1], sms)
         gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys)
-        if (GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS
-                and d in GLUON_BLOCK_HEAD_DIMS):  # one launch, one combine
+        if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
             o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
             return _merge_library(q, o, lse, mask.shape[1], config)
         prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
