@@ -9,8 +9,10 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   (`splits_for`: `plan_splits`' count for its programs), at each tiling `prefix_attention_sm90.tiling` chooses
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
   tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows
-  (`ws_default_no_idle_skip`: the same with the last row block's second warp group computing its
-  rows past the end, as before SKIP_IDLE; --splits: the default at more split counts);
+  (`ws_default_no_tail`: the same with the rows past the last whole 128-row block in a row block
+  of their own instead of the tail warp group; `ws_default_no_idle_skip`: that block's second warp
+  group computing its rows past the end, as before SKIP_IDLE; --splits: the default at more
+  split counts, with and without the tail);
   with --repeats, the median of R passes over all of them (`_all_us`: each pass's);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
@@ -98,19 +100,23 @@ def main() -> None:
                                "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
             if ws_tilings["default"]["CONSUMERS"] == 2:  # the last row block's idle warp group computing
-                ws_tilings["default_no_idle_skip"] = ws_tilings["default"] | {"SKIP_IDLE": False}
-            runs = [(label, config, sm90.splits_for(config, rows, hkv, sms, keys)) for label, config in ws_tilings.items()]
-            runs += [("default", ws_tilings["default"], splits) for splits in extra_splits]
+                ws_tilings["default_no_idle_skip"] = ws_tilings["default"] | {"SKIP_IDLE": False, "TAIL": False}
+            if sm90.tail_rows(ws_tilings["default"], rows, d)[0]:  # the rows past whole blocks in a block of their own
+                ws_tilings["default_no_tail"] = ws_tilings["default"] | {"TAIL": False}
+            runs = [(label, config, sm90.splits_for(config, rows, hkv, sms, keys, d)) for label, config in ws_tilings.items()]
+            runs += [(label, ws_tilings[label], splits) for splits in extra_splits
+                     for label in ("default", "default_no_tail") if label in ws_tilings]
             times = {}
             for _ in range(args.repeats):  # every tiling once a pass, so that drift between passes hits all alike
                 for label, config, splits in runs:
                     if f"ws_{label}_error" in row:
                         continue
                     try:
-                        times.setdefault(f"ws_{label}_s{splits}_us", []).append(call_us(
-                            lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config)))
+                        us = call_us(lambda: sm90.prefix_attention(q, k, v, prefix32, keys, splits, scale, config))
                     except Exception as error:  # report it and go on
                         row[f"ws_{label}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                        continue
+                    times.setdefault(f"ws_{label}_s{splits}_us", []).append(us)
             for key, values in times.items():
                 row[key] = statistics.median(values)
                 if args.repeats > 1:

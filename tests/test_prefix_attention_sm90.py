@@ -50,16 +50,20 @@ TILINGS = {"two consumers, 64-key tiles": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGE
            "two consumers, 128-key tiles": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
            "two consumers, the idle one computing": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1,
                                                      "SKIP_IDLE": False},
+           "two consumers, no tail warp group": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
+                                                 "TAIL": False},
            "one consumer": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
            "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
 
 
 @pytest.mark.parametrize("config", TILINGS)
 @pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
-@pytest.mark.parametrize("n", [16, 17, 65])
+@pytest.mark.parametrize("n", [16, 17, 36, 65])
 def test_every_tiling_equals_float64(config, heads, n):
     """Every tiling `prefix_attention_sm90.tiling` picks from, whatever the row count (at two
-    consumers, 16 and 65 tokens leave the last row block's second warp group with no real row)."""
+    consumers, 16 and 65 tokens leave the last row block's second warp group with no real row; at
+    head_dim 128, 36 and 65 tokens' rows past the last whole 128-row block, 16 and 4, go to the
+    tail warp group unless "TAIL" is off)."""
     config = TILINGS[config]
     if heads[2] > 128 and (config["BLOCK_N"] > 64 or config["PER_SM"] > 1):
         pytest.skip("does not fit in one SM's shared memory or registers at head_dim 256")

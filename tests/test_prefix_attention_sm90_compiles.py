@@ -20,7 +20,7 @@ def test_gluon_prefix_kernel_compiles_for_sm90():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(lines) == 5, done.stdout
+    assert len(lines) == 7, done.stdout
     assert all("local 0" in line for line in lines), done.stdout  # no spills to local memory
     assert not any("OVER" in line for line in lines), done.stdout  # each fits its programs an SM
 
@@ -49,17 +49,41 @@ def test_registers_share_the_sm_and_leave_the_loader_24():
     from ddtree.kernels.prefix_attention_sm90 import registers
 
     for consumers, per_sm in ((2, 1), (1, 2), (1, 1)):
-        maxnreg, consumer = registers(consumers, per_sm)
-        assert maxnreg % 8 == 0 and consumer % 8 == 0 and consumer <= 256
+        maxnreg, consumer, tail = registers(consumers, per_sm)
+        assert maxnreg % 8 == 0 and consumer % 8 == 0 and consumer <= 256 and tail == 0
         assert per_sm * (consumers + 1) * 128 * maxnreg <= 65536  # the launch fits the register file
         assert consumers * consumer + 24 <= (consumers + 1) * maxnreg  # setmaxnreg's budget holds
-    assert registers(2, 1) == (168, 240)
+    assert registers(2, 1) == (168, 240, 0)
+    # four warp groups: two consumers, the tail, the loader's warp launched with three more
+    maxnreg, consumer, tail = registers(2, 1, tail=True)
+    assert 4 * 128 * maxnreg <= 65536 and 256 * consumer + 128 * tail + 128 * 24 <= 65536
+    assert (maxnreg, consumer, tail) == (128, 216, 56)
+
+
+def test_the_tail_takes_at_most_16_rows_past_whole_blocks():
+    from ddtree.kernels.prefix_attention_sm90 import tail_rows
+
+    two = {"CONSUMERS": 2, "PER_SM": 1}
+    assert tail_rows(two, 260, 128) == (8, 256)  # 65 tokens x 4 heads
+    assert tail_rows(two, 1028, 128) == (8, 1024)  # 257 tokens
+    assert tail_rows(two, 144, 128) == (16, 128)
+    assert tail_rows(two, 145, 128) == (0, 145)  # 17 rows past: a row block of their own
+    assert tail_rows(two, 256, 128) == (0, 256)
+    assert tail_rows(two, 100, 128) == (0, 100)  # no whole block
+    assert tail_rows(two, 390, 256) == (0, 390)  # head_dim 256: no tail
+    assert tail_rows(two | {"TAIL": False}, 260, 128) == (0, 260)
+    assert tail_rows({"CONSUMERS": 1, "PER_SM": 2}, 260, 128) == (0, 260)
 
 
 def test_splits_for_counts_a_tilings_programs():
     from ddtree.kernels.prefix_attention_sm90 import plan_splits, splits_for
 
     two = {"CONSUMERS": 2, "PER_SM": 1}
-    assert splits_for(two, rows=260, kv_heads=8, sms=132, max_keys=32768) == plan_splits(24, 132, 32768) == 11
+    # 65 tokens at Qwen3-8B heads: two whole row blocks a KV head, the 4 rows past them a tail's
+    assert splits_for(two, rows=260, kv_heads=8, sms=132, max_keys=32768, head_dim=128) == plan_splits(16, 132, 32768)
+    assert splits_for(two | {"TAIL": False}, rows=260, kv_heads=8, sms=132, max_keys=32768,
+                      head_dim=128) == plan_splits(24, 132, 32768) == 11
+    # at head_dim 256 no tail: 65 tokens x 6 heads = 390 rows, four row blocks
+    assert splits_for(two, rows=390, kv_heads=4, sms=132, max_keys=32768, head_dim=256) == plan_splits(16, 132, 32768)
     one = {"CONSUMERS": 1, "PER_SM": 2}
-    assert splits_for(one, rows=68, kv_heads=8, sms=132, max_keys=32768) == plan_splits(16, 264, 32768)
+    assert splits_for(one, rows=68, kv_heads=8, sms=132, max_keys=32768, head_dim=128) == plan_splits(16, 264, 32768)

@@ -15,8 +15,14 @@ in FlashAttention-3's form"). Here:
   Triton's `tl.dot` does not expose), releasing each slot as its product retires. With two, a
   program's 128 rows read each key tile once; the warp groups are not in lockstep (no barrier
   between them), so one's softmax runs while the other's products hold the tensor cores. A warp
-  group with no real row (the last row block's second, e.g. at 65 tokens x 4 heads) does nothing
-  and its partner releases each slot for both (`SKIP_IDLE`, a tiling entry, on unless set False).
+  group with no real row (the last row block's second, e.g. at 65 tokens x 6 heads) does nothing
+  and its partner releases each slot for both (`SKIP_IDLE`, a tiling entry, on unless set False);
+- with two consumers at head_dim <= 128, the rows past the last whole 128-row block, where they
+  are at most 16 (`tail_rows`: 65 tokens x 4 query heads leave 4 of 260), go to a fourth
+  partition instead of a row block of their own: a tail warp group in one program of each KV head
+  and split, its products transposed (s^T = k . q^T, o^T += v^T . p^T) so that those few rows are
+  the MMA's N (8 or 16) and not 64 rows of padding; a row block of 4 real rows had cost as much
+  as a whole one, a third of the programs at 65 tokens.
 
 Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
 [P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
@@ -52,6 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of tiles at every BLOCK_N
+TAIL_REGS_NEEDED = 56  # the tail warp group's registers (its tiles are [BLOCK_N or D, 8 or 16] float32)
 
 
 @gluon.jit
@@ -109,6 +116,21 @@ def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
+def _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP: gl.constexpr, D: gl.constexpr,
+                ROWS: gl.constexpr):
+    """Query rows [row0, row0 + ROWS) of KV head `head` (zeros past `rows`) -> q_smem [ROWS, D], an
+    MMA operand: 16-byte loads, then the fence that orders those stores before wgmma reads them."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+    q_rows = (offs_m // GROUP) * stride_qt + (head * GROUP + offs_m % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=(offs_m[:, None] < rows) & (offs_d[None, :] < D),
+                other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+
+
+@gluon.jit
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
               base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
               idle, partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -135,16 +157,9 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
     QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])  # 16-byte loads
 
     # This warp group's query rows -> its slice of shared memory, the A operand of every q.k.
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-    q_rows = (offs_m // GROUP) * stride_qt + (head * GROUP + offs_m % GROUP) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=(offs_m[:, None] < rows) & (offs_d[None, :] < D),
-                other=0.0)
-    q_smem.store(q)
-    fence_async_shared()  # the generic-proxy stores, before wgmma reads them
+    _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, BLOCK_M)
 
     # Tile 0: q.k and its softmax; its p.v is issued with tile 1's q.k.
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK)
@@ -199,11 +214,116 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
 
 
 @gluon.jit
+def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, duty, row0,
+          rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride,
+          qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          TAIL: gl.constexpr):
+    """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL),
+    in the one program of each KV head and split that has the duty, else only releasing each slot."""
+    if duty != 0:
+        _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                     row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                     mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
+    else:
+        for j in range(n_tiles + n_block):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
+def _tail_seen(s, j, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP: gl.constexpr,
+               BLOCK_N: gl.constexpr, ST: gl.constexpr):
+    """s^T [BLOCK_N, TAIL] of tile j with the keys a row does not see at -inf: past the split's end,
+    or in the block's columns (tiles from n_tiles on) where the row's token's mask says so."""
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ST))
+    if j >= n_tiles:
+        cols = (j - n_tiles) * BLOCK_N + keys
+        seen = gl.load(mask_ptr + (rws // GROUP)[None, :] * mask_stride + cols[:, None],
+                       mask=(rws[None, :] < rows) & (cols[:, None] < block_cols), other=0)
+        s = gl.where(seen != 0, s, float("-inf"))
+    else:
+        s = gl.where((start + j * BLOCK_N + keys)[:, None] < end, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0,
+                 rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr,
+                 mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, TAIL: gl.constexpr):
+    """Rows [row0, row0 + TAIL) (those below `rows` real) over the split's keys and, in the first
+    split, the block's columns, with every product transposed so that the few rows are the MMA's N
+    (a multiple of 8) instead of 64 rows of which most are padding: s^T [BLOCK_N, TAIL] = k . q^T,
+    the softmax down each column, o^T [D, TAIL] += v^T . p^T (v^T read from its slot as is, p^T
+    through shared memory). As the consumers do, tile j's k . q^T is issued before tile j - 1's
+    v^T . p^T and its softmax runs while that product does; the softmax's sums are kept per entry
+    and added down the columns once at the end (one cross-warp reduction a tile, the maximum)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
+
+    _stage_rows(q_ptr, qt_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, TAIL)  # q [TAIL, D], as the B^T
+    rws = row0 + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
+
+    # Tile 0: k . q^T and its softmax; its v^T . p^T is issued with tile 1's k . q^T.
+    s_zero = gl.zeros([BLOCK_N, TAIL], gl.float32, ST)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(k_ring.index(0), qt_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    s = _tail_seen(s, 0, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
+    m_i = gl.max(s, axis=0) * qk_scale
+    p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+    sums = p  # [BLOCK_N, TAIL]: each entry's share of its column's softmax denominator
+    pt_smem.store(gl.permute(p.to(dtype), [1, 0]))
+    fence_async_shared()
+    acc = gl.zeros([D, TAIL], gl.float32, ST)
+
+    for j in range(1, n_tiles + n_block):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s_token = warpgroup_mma(k_ring.index(slot), qt_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc_token = warpgroup_mma(v_ring.index(prev).permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_token, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s = _tail_seen(s, j, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
+        m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        sums = sums * alpha[None, :] + p
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(acc_token, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)  # v^T . p^T of tile j - 1 has read its values
+        acc = acc * alpha[None, :]
+        pt_smem.store(gl.permute(p.to(dtype), [1, 0]))  # that product has read p^T too
+        fence_async_shared()
+
+    last = (n_tiles + n_block - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles + n_block - 1) // STAGES) & 1)
+    acc = warpgroup_mma(v_ring.index(last).permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    l_i = gl.sum(sums, axis=0)
+    out = acc * gl.where(l_i > 0.0, 1.0 / l_i, 0.0)[None, :]
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
+    gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(dtype),
+             mask=(rws[None, :] < rows) & (dims[:, None] < D))
+    lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
+    gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
+
+
+@gluon.jit
 def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, n_tokens, stride_qt, stride_qh,
-                   keys_per_split, block_cols, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr,
-                   CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr,
+                   keys_per_split, block_cols, mask_stride, qk_scale, full_rows, GROUP: gl.constexpr,
+                   D: gl.constexpr, CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   TAIL_REGS: gl.constexpr, num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     split = gl.program_id(2)
@@ -218,8 +338,9 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     n_block = gl.where(split == 0, gl.cdiv(block_cols, BLOCK_N), 0)
     base = (split * gl.num_programs(1) + head) * rows
     row0 = pid_m * CONSUMERS * 64
-    # The last row block's second warp group may have no real row (e.g. 65 tokens x 4 heads = 260
-    # rows: its rows 320-383); it then does nothing and the first runs alone (SKIP_IDLE).
+    # The last row block's second warp group may have no real row (e.g. 65 tokens x 6 heads = 390
+    # rows at head_dim 256, where no tail warp group takes them: its rows 448-511); it then does
+    # nothing and the first runs alone (SKIP_IDLE).
     tail_idle = (row0 + 64 >= rows).to(gl.int32)
     if not SKIP_IDLE:
         tail_idle = tail_idle * 0
@@ -234,12 +355,31 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # each consumer's arrival frees a slot
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS + (TAIL > 0))  # each consumer's arrival frees a slot
+        mbarrier.init(v_empty.index(i), count=CONSUMERS + (TAIL > 0))
 
     # (Partitions and their arguments are written in the call itself: tuples built before it would
     # turn their functions and constexprs into tensors.)
-    if CONSUMERS == 2:
+    if TAIL > 0:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
+        qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
+        pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([TAIL, BLOCK_N], dtype))
+        # One program of each KV head and split takes the tail, the splits spread over the row blocks.
+        duty = (pid_m == split % gl.num_programs(0)).to(gl.int32)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
+            (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                     duty, full_rows, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block,
+                     block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
+                       n_block, head * D, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
@@ -266,17 +406,36 @@ def tiling(head_dim: int, rows: int, kv_heads: int, sms: int) -> dict:
     each key tile; 128-key tiles in 2 stages at head_dim <= 128, 64-key tiles in 2 stages at 256 (Q
     64 KB + 64 KB of keys and values a stage). Where two consumers' programs could not fill the SMs
     even at 16 key splits (few rows), one consumer: twice the programs, at 64-key tiles in 3 stages
-    (head_dim <= 128: two programs an SM)."""
+    (head_dim <= 128: two programs an SM). With two, `tail_rows` says whether a tail warp group takes
+    the rows past the last whole 128-row block (its entry "TAIL", on unless set False)."""
     if triton.cdiv(rows, 128) * kv_heads * 16 < sms:
         return {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2 if head_dim <= 128 else 1}
     return {"CONSUMERS": 2, "BLOCK_N": 128 if head_dim <= 128 else 64, "STAGES": 2, "PER_SM": 1}
 
 
-def registers(consumers: int, programs_per_sm: int) -> tuple[int, int]:
-    """(maxnreg, consumer registers): the kernel's warp groups (consumers + the loader's) share the
-    SM's 64K registers; setmaxnreg then gives the loader 24 and the consumers the rest."""
+def registers(consumers: int, programs_per_sm: int, tail: bool = False) -> tuple[int, int, int]:
+    """(maxnreg, consumer registers, tail registers): the kernel's warp groups (the consumers', the
+    loader's, whose one warp is launched with three more, and the tail's) share the SM's 64K
+    registers; setmaxnreg then gives the loader 24, the tail warp group TAIL_REGS_NEEDED and the
+    consumers the rest."""
+    if tail:  # four warp groups: the loader's warp is launched with three more
+        consumer = (65536 // programs_per_sm - 128 * 24 - 128 * TAIL_REGS_NEEDED) // (128 * consumers) // 8 * 8
+        return 65536 // (programs_per_sm * (consumers + 2) * 128) // 8 * 8, min(256, consumer), TAIL_REGS_NEEDED
     per_group = 65536 // (programs_per_sm * (consumers + 1) * 128) // 8 * 8
-    return per_group, min(256, ((consumers + 1) * per_group - 24) // consumers // 8 * 8)
+    return per_group, min(256, ((consumers + 1) * per_group - 24) // consumers // 8 * 8), 0
+
+
+def tail_rows(config: dict, rows: int, head_dim: int) -> tuple[int, int]:
+    """(TAIL, rows in whole 128-row blocks): where two consumers' last row block would hold at most
+    16 real rows (65 tokens x 4 query heads: 4 of 128), those rows go to the tail warp group, its
+    products transposed to N = TAIL (8 or 16), and the row blocks stop at the last whole one;
+    else (0, rows). At head_dim <= 128 only: at 256 the kernel does not compile within the
+    registers a fourth warp group leaves. The config's "TAIL": False turns it off (tests, benchmarks)."""
+    left = rows % 128
+    if (config["CONSUMERS"] != 2 or not config.get("TAIL", True) or head_dim > 128 or rows < 128
+            or not 0 < left <= 16):
+        return 0, rows
+    return (8 if left <= 8 else 16), rows - left
 
 
 def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, min_keys: int = 512) -> int:
@@ -290,9 +449,10 @@ def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, mi
     return min(splits for splits in counts if cost[splits] <= least * 1.03)
 
 
-def splits_for(config: dict, rows: int, kv_heads: int, sms: int, max_keys: int) -> int:
-    """`plan_splits` for a tiling's programs: its row blocks x KV heads, PER_SM of them an SM."""
-    programs = triton.cdiv(rows, 64 * config["CONSUMERS"]) * kv_heads
+def splits_for(config: dict, rows: int, kv_heads: int, sms: int, max_keys: int, head_dim: int) -> int:
+    """`plan_splits` for a tiling's programs: its row blocks (`tail_rows`' whole ones where a tail
+    warp group takes the rest) x KV heads, PER_SM of them an SM."""
+    programs = triton.cdiv(tail_rows(config, rows, head_dim)[1], 64 * config["CONSUMERS"]) * kv_heads
     return plan_splits(programs, config["PER_SM"] * sms, max_keys)
 
 
@@ -340,12 +500,14 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         mask, block_cols = block.contiguous().view(torch.uint8), block.shape[1]
     else:  # never read (no program has block columns): empty, so no fill launch on every call
         mask, block_cols = torch.empty(1, 1, dtype=torch.uint8, device=q.device), 0
-    maxnreg, consumer_regs = registers(consumers, t["PER_SM"])
-    grid = (triton.cdiv(rows, consumers * 64), hkv, splits)
+    tail, full_rows = tail_rows(t, rows, d)
+    maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
+    grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits)
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, n, q.stride(0), q.stride(1), keys_per_split,
-                         block_cols, mask.stride(0), scale * LOG2E, GROUP=group, D=d, CONSUMERS=consumers,
-                         SKIP_IDLE=t.get("SKIP_IDLE", True), BLOCK_N=block_n, STAGES=t["STAGES"],
-                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+                         block_cols, mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
+                         SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
+                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs, num_warps=4,
+                         maxnreg=maxnreg)
     return o, lse
 
 

@@ -367,7 +367,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
         sms = _sm_count(q.device)
         t = gluon_tiling(d, rows, k.shape[1], sms)
-        gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys)
+        gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys, d)
         if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
             o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
             return _merge_library(q, o, lse, mask.shape[1], config)
