@@ -95,7 +95,8 @@ def main() -> None:
                           "c1_n64_st3": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1}}
             if d <= 128:
                 ws_tilings |= {"c2_n128_st2": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1},
-                               "c2_n128_st3": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 3, "PER_SM": 1},
+                               # (no tail warp group: with its 4 KB, three stages of 128-key tiles overflow)
+                               "c2_n128_st3": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 3, "PER_SM": 1, "TAIL": False},
                                "c2_n64_st4": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 4, "PER_SM": 1},
                                "c1_n64_st3_x2": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
             ws_tilings["default"] = sm90.tiling(d, rows, hkv, sms)
