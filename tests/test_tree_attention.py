@@ -394,3 +394,31 @@ def test_cudnn_prefix_bf16_and_graph(context, n, heads, monkeypatch):
     k[: context // 2].mul_(-1)  # the graph reads the cache as it is at replay
     graph.replay()
     assert torch.equal(out, run())
+
+
+def test_a_gluon_kernel_that_fails_leaves_the_triton_kernel_to_attend(monkeypatch, caplog):
+    """Where the Gluon prefix kernel fails to build or launch (a Triton whose Gluon differs), the
+    verify's attention goes on through the Triton kernel, equal to float64, with a warning; later
+    calls at that dtype and head_dim do not try it again."""
+    from ddtree.kernels import prefix_attention_sm90, tree_attention
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("this Gluon does not build the kernel")
+
+    monkeypatch.setattr(tree_attention, "_GLUON_FAILED", set())
+    monkeypatch.setattr(tree_attention, "_gluon_prefix",
+                        lambda q, k, v, min_prefix: (q.dtype, q.shape[-1]) not in tree_attention._GLUON_FAILED)
+    monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", failing)
+    n, hq, hkv, d, context = 9, 4, 2, 16, 300
+    kv_len = context + n + 11
+    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=3)
+    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
+    block = mask[:, context:context + n].contiguous()
+    prefix = torch.tensor(context, device=DEVICE)
+    for _ in range(2):
+        got = masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix, min_prefix=context)
+        torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
+    assert calls == [1] and "the Gluon prefix kernel failed" in caplog.text

@@ -231,18 +231,21 @@ GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
+_GLUON_FAILED: set = set()  # (dtype, head_dim) the kernel failed to build or launch at: the Triton kernel's
 
 
 def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int) -> bool:
     """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU with
     Triton's Gluon, bf16 or fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix, a
-    cache TMA can read: heads contiguous, 16-byte aligned rows)."""
+    cache TMA can read: heads contiguous, 16-byte aligned rows), unless it failed at this dtype and
+    head_dim before (`_GLUON_FAILED`)."""
     n, hq, d = q.shape
     return (GLUON_PREFIX and not _INTERPRETED and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and d in GLUON_MIN_ROWS and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS[d]
             and min_prefix >= GLUON_MIN_KEYS
             and all(x.stride(1) == d and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 for x in (k, v))
-            and torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_available())
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and (q.dtype, d) not in _GLUON_FAILED
+            and _gluon_available())
 
 
 @functools.cache
@@ -362,17 +365,18 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     rows = n * (hq // k.shape[1])
     prefix = prefix_len is not None
     if prefix and prefix_partials is None and _gluon_prefix(q, k, v, min_prefix):
-        from ddtree.kernels.prefix_attention_sm90 import prefix_attention, splits_for, tiling as gluon_tiling
-
-        max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
-        sms = _sm_count(q.device)
-        t = gluon_tiling(d, rows, k.shape[1], sms)
-        gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys, d)
-        if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
-            o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
-            return _merge_library(q, o, lse, mask.shape[1], config)
-        prefix_partials = (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
-        if causal_block and (q.dtype, d) not in _CUDNN_FAILED:
+        try:
+            whole, prefix_partials = _through_gluon(q, k, v, mask, scale, prefix_len, causal_block, config)
+        except Exception as exc:  # noqa: BLE001 (a Triton whose Gluon does not build or launch this kernel)
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its eager call before the capture fails first
+                raise
+            _GLUON_FAILED.add((q.dtype, d))
+            log.warning("the Gluon prefix kernel failed (%s: %s); the Triton kernel attends from now on",
+                        type(exc).__name__, str(exc)[:300])
+            whole = None
+        if whole is not None:
+            return whole
+        if prefix_partials is not None and causal_block and (q.dtype, d) not in _CUDNN_FAILED:
             try:
                 return _causal_block(q, k[min_prefix:min_prefix + n], v[min_prefix:min_prefix + n], scale,
                                      prefix_partials)
@@ -403,6 +407,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     elif ranges is None:
         ranges = key_range(mask)
     return _launch(q, k, v, mask, ranges, None, 1, t, scale, prefix, splits, config, prefix_partials)
+
+
+def _through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   prefix_len: torch.Tensor, causal_block: bool, config: AttentionConfig | None) -> tuple:
+    """`masked_attention`'s prefix through `prefix_attention_sm90` -> (out [N, Hq * D], None) where
+    its first split takes the tree's block too and one combine launch merges the splits (GLUON_BLOCK),
+    else (None, the prefix's partials (o, lse, None)) for the rest of the attention to merge with."""
+    from ddtree.kernels.prefix_attention_sm90 import prefix_attention, splits_for, tiling as gluon_tiling
+
+    n, hq, d = q.shape
+    rows = n * (hq // k.shape[1])
+    max_keys = k.shape[0] - mask.shape[1]  # prefix_len + M <= T
+    sms = _sm_count(q.device)
+    t = gluon_tiling(d, rows, k.shape[1], sms)
+    gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys, d)
+    if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
+        o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
+        return _merge_library(q, o, lse, mask.shape[1], config), None
+    return None, (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
 
 
 def _merge_library(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, block_cols: int,
