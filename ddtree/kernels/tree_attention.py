@@ -231,7 +231,7 @@ GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
-_GLUON_FAILED: set = set()  # (dtype, head_dim) the kernel failed to build or launch at: the Triton kernel's
+_GLUON_FAILED: set = set()  # (dtype, head_dim) at which it failed to build or launch: the Triton kernel's there
 
 
 def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int) -> bool:
