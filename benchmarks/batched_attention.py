@@ -2,22 +2,25 @@
 against the per-row loop it replaces (R `masked_attention` calls), at a head layout (default
 Qwen3-8B's: 32 query / 8 KV heads, head_dim 128), bf16, per layer.
 
-    python benchmarks/batched_attention.py [--rows 1,4,16] [--tokens 1,17,65] [--contexts 512,mixed]
+    python benchmarks/batched_attention.py [--rows 1,4,16] [--tokens 1,17,65] [--contexts 512,mixed,skewed]
         [--heads HQ,HKV,D] [--row-slots N] [--output FILE.json]
 
 Each row holds a random tree of N tokens after its context (`mixed`: 100, 3000, 17, 40000 cycled
-over the rows, so short rows share a launch with a long one); its cache row has `--row-slots`
-slots (default: the longest context + N + 64). Microseconds per call (CUDA-graph replay of 10
-calls) of the loop, of the batched launch with max_kv = the longest row's keys (what `attend`
-passes in an eager round), and with max_kv = the row's slot count (what one graph per batch
-bucket would pass), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's
-measured copy bandwidth and bf16 matmul rate.
+over the rows, so short rows share a launch with a long one; `skewed`: one row of 32768 and the
+rest of 512); its cache row has `--row-slots` slots (default: the longest context + N + 64).
+Microseconds per call (CUDA-graph replay of 10 calls) of the loop, of the batched launch with
+max_kv = the longest row's keys (what `attend` passes in an eager round), and with max_kv = the
+row's slot count (what one graph per batch bucket would pass), that last one also with every row
+split alike over max_kv (`balance_rows` off, `batched_slots_uniform_us`) instead of by its share of
+the batch's keys, beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured
+copy bandwidth and bf16 matmul rate.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+from dataclasses import replace
 
 import torch
 
@@ -25,10 +28,19 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention
+from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention, tiling
 from ddtree.tree import build_tree
 
 MIXED = (100, 3000, 17, 40000)
+
+
+def contexts_of(kind: str, rows: int) -> list[int]:
+    """Each row's context for --contexts' `kind`: a number, `mixed` or `skewed`."""
+    if kind == "mixed":
+        return [MIXED[i % len(MIXED)] for i in range(rows)]
+    if kind == "skewed":
+        return [32768] + [512] * (rows - 1)
+    return [int(kind)] * rows
 
 
 def call_us(fn) -> float:
@@ -55,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--tokens", default="1,17,65")
-    ap.add_argument("--contexts", default="512,mixed", help="each row's context: a number, or 'mixed'")
+    ap.add_argument("--contexts", default="512,mixed", help="each row's context: a number, 'mixed' or 'skewed'")
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
     ap.add_argument("--row-slots", type=int, default=None)
     ap.add_argument("--output", default=None)
@@ -65,7 +77,7 @@ def main() -> None:
     results = []
     for ctx, r, n in itertools.product(args.contexts.split(","), map(int, args.rows.split(",")),
                                        map(int, args.tokens.split(","))):
-        contexts = [MIXED[i % len(MIXED)] if ctx == "mixed" else int(ctx) for i in range(r)]
+        contexts = contexts_of(ctx, r)
         row_slots = args.row_slots or max(contexts) + n + 64
         q, k, v, block, prefix, first = case(r, n, contexts, row_slots, hq, hkv, d)
         scale = d**-0.5
@@ -76,6 +88,7 @@ def main() -> None:
             return [masked_attention(qb, kb, vb, blk, scale, prefix_len=p) for qb, kb, vb, blk, p in alone]
 
         tight = max(contexts) + n
+        uniform = replace(tiling(n * hq // hkv, row_slots, d, r), balance_rows=False)
         kv_bytes = sum(2 * (c + n) * hkv * d * 2 for c in contexts)
         flops = sum(4 * n * (c + n) * d * hq for c in contexts)
         row = {"contexts": contexts, "rows": r, "tokens": n, "row_slots": row_slots,
@@ -84,11 +97,13 @@ def main() -> None:
                "batched_tight_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,
                                                                             tight)),
                "batched_slots_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,
-                                                                            row_slots))}
+                                                                            row_slots)),
+               "batched_slots_uniform_us": call_us(lambda: batched_masked_attention(
+                   q, k, v, block, scale, prefix, first, row_slots, config=uniform))}
         results.append(row)
         print(f"ctx {ctx:>6} R={r:3d} N={n:4d}  floor {row['floor_us']:8.1f}  loop {row['loop_us']:8.1f}  "
               f"batched {row['batched_tight_us']:8.1f} (max_kv {tight})  {row['batched_slots_us']:8.1f} "
-              f"(max_kv {row_slots}) us", flush=True)
+              f"(max_kv {row_slots}; uniform split {row['batched_slots_uniform_us']:8.1f}) us", flush=True)
     out = results_path(args.output, "batched_attention")
     out.write_text(json.dumps({
         "benchmark": "batched_attention", "command": "python benchmarks/batched_attention.py " + " ".join(

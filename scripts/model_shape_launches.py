@@ -59,3 +59,20 @@ def test_tree_attention(n, heads, tiled):
     config = replace(tree_attention.tiling(n * hq // hkv, kv_len, d), combine_tiled=tiled)
     tree_attention.masked_attention(q, cache[0], cache[1], block, d ** -0.5, config=config,
                                     prefix_len=torch.tensor(CONTEXT))
+
+
+@pytest.mark.parametrize("n", [1, 17, 65])
+@pytest.mark.parametrize("heads", [(24, 4, 256), (32, 8, 128)], ids=["qwen36_27b", "qwen3_8b"])
+@pytest.mark.parametrize("balance", [True, False], ids=["balanced", "uniform"])
+def test_batched_tree_attention(n, heads, balance):
+    """A batch of 16 rows, each with a cache row of CONTEXT + n + 64 slots (max_kv), as the batched
+    engine's verify passes them."""
+    hq, hkv, d = heads
+    batch, row_slots = 16, CONTEXT + n + 64
+    q = torch.randn(batch * n, hq, d).bfloat16()
+    cache = torch.randn(2, batch * row_slots, hkv, d).bfloat16()
+    block = torch.stack([_tree(n) if n > 1 else torch.ones(1, 1, dtype=torch.bool)] * batch)
+    config = replace(tree_attention.tiling(n * hq // hkv, row_slots, d, batch), balance_rows=balance)
+    tree_attention.batched_masked_attention(q, cache[0], cache[1], block, d ** -0.5,
+                                            torch.full((batch,), CONTEXT), torch.arange(batch) * row_slots,
+                                            row_slots, config=config)

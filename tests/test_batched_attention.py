@@ -69,12 +69,17 @@ CASES = [  # m, Hq, Hkv, D, prefix lengths per row, strided cache
 @pytest.mark.parametrize("m,hq,hkv,d,prefixes,strided", CASES)
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("block", ["tree", "all"])
-def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, block):
+@pytest.mark.parametrize("balance", [True, False])
+def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, block, balance):
+    """Each row as if alone, with each batch row's keys split by its share of the batch's
+    (`balance_rows`, where `splits` sets the divisor) or every row alike over max_kv."""
     r = len(prefixes)
     q, k, v, first, row_slots = batch_inputs(m, hq, hkv, d, prefixes, torch.float32, seed=m + r, strided=strided)
     blk = block_masks(m, r, block, seed=m)
     prefix = torch.tensor(prefixes, device=DEVICE)
-    got = batched_masked_attention(q, k, v, blk, d**-0.5, prefix, first, max_kv=row_slots, splits=splits)
+    config = AttentionConfig(balance_rows=balance)
+    got = batched_masked_attention(q, k, v, blk, d**-0.5, prefix, first, max_kv=row_slots, splits=splits,
+                                   config=config)
     assert got.shape == (r * m, hq * d) and got.dtype == q.dtype
     for b in range(r):
         kv_len = prefixes[b] + m
@@ -84,7 +89,7 @@ def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, blo
         mine = got[b * m:(b + 1) * m]
         if splits == 1:  # the same key blocks in the same order: the same arithmetic
             torch.testing.assert_close(mine, alone, atol=1e-6, rtol=1e-6)
-        else:  # the split boundaries follow max_kv here, the row's own length alone
+        else:  # the split boundaries follow max_kv or the batch's keys here, the row's own length alone
             torch.testing.assert_close(mine, alone, atol=2e-5, rtol=1e-4)
         want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, d**-0.5)
         torch.testing.assert_close(mine.double(), want.to(mine.device), atol=2e-5, rtol=1e-4)
@@ -92,12 +97,14 @@ def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, blo
 
 @pytest.mark.parametrize("fold,tiled", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("splits", [2, 5])
-def test_combine_in_kernel_or_launched(fold, tiled, splits):
+@pytest.mark.parametrize("balance", [True, False])
+def test_combine_in_kernel_or_launched(fold, tiled, splits, balance):
     """Each (row block, KV head, batch row) tile's splits are combined by its last split (arrival
-    counters per tile) or by the combine launch (split by split, or tiled); repeated calls find
-    the counters zeroed."""
+    counters per tile, as many arrivals as the row has items where the split is balanced) or by
+    the combine launch (split by split, or tiled; a balanced split's rows, 12 a batch row here, finding
+    their items in 16-row blocks that cross batch rows); repeated calls find the counters zeroed."""
     m, prefixes = 6, [300, 12, 150]
-    config = AttentionConfig(fold_combine=fold, combine_tiled=tiled)
+    config = AttentionConfig(fold_combine=fold, combine_tiled=tiled, balance_rows=balance)
     blk = block_masks(m, 3, "tree", seed=4)
     prefix = torch.tensor(prefixes, device=DEVICE, dtype=torch.int32)
     for seed in range(2):
@@ -107,6 +114,95 @@ def test_combine_in_kernel_or_launched(fold, tiled, splits):
         for b in range(3):
             want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
             torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_a_long_row_among_short_ones_gets_the_programs(fold):
+    """A balanced split (`plan_rows`) gives the row of 700 keys three items of four key tiles and
+    each short row one (the uniform split would give every row two over max_kv); every row equals
+    float64 attention, its partials merged by its last item (fold) or by the combine launch."""
+    m, prefixes = 5, [700, 5, 30, 0]
+    config = AttentionConfig(fold_combine=fold)
+    q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=21, strided=True)
+    block_m, divisor = tree_attention.plan_rows(m * 2, 2, 4, row_slots, tree_attention._sm_count(q.device), config)
+    assert divisor == 4  # 8 slots (two programs an SM of 8, one row block, two KV heads) less the 4 rows
+    items = tree_attention.row_items([p + m for p in prefixes], config.block_n, divisor)
+    assert items == [(0, 3, 4), (3, 1, 1), (4, 1, 1), (5, 1, 1)]
+    blk = block_masks(m, 4, "tree", seed=2)
+    prefix = torch.tensor(prefixes, device=DEVICE)
+    for _ in range(2):  # the arrival counters left at zero
+        got = batched_masked_attention(q, k, v, blk, 0.25, prefix, first, max_kv=row_slots, config=config)
+        for b in range(4):
+            want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
+            torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
+    """With 64-row blocks the fold takes rows of up to 8 items (FOLD_MAX_PARTIALS // 64): at a
+    divisor of 20 the long row's 12 items go to the combine launch, which skips the rows the
+    attention launch wrote (one item each, written whole); all equal float64 attention."""
+    launches = []
+    original = tree_attention._launch_combine
+    monkeypatch.setattr(tree_attention, "_launch_combine", lambda *a: launches.append(a[-1]) or original(*a))
+    m, prefixes = 5, [700, 5, 30]
+    q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=22)
+    assert [x[1] for x in tree_attention.row_items([p + m for p in prefixes], 64, 20)] == [12, 1, 1]
+    blk = block_masks(m, 3, "tree", seed=5)
+    got = batched_masked_attention(q, k, v, blk, 0.25, torch.tensor(prefixes, device=DEVICE), first,
+                                   max_kv=row_slots, config=AttentionConfig(block_m=64), splits=20)
+    assert len(launches) == 1 and launches[0][-1] == 8  # rows_of: rows of up to 8 items folded
+    for b in range(3):
+        want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
+        torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_row_items_cover_each_rows_keys_once():
+    """The balanced plan on the host (`row_items`): each row's items cover its key tiles once, in
+    items of equal span (the last no emptier than a span), one item at least (a row with no key
+    still writes its zeros), the batch's items at most divisor + rows and consecutive; and the
+    device's `_row_items` gives the same."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        keys = [int(x) for x in torch.randint(0, 3000, (batch,), generator=gen)]
+        if trial % 3 == 0:
+            keys[0] = 100_000  # one long row
+        divisor = int(torch.randint(1, 40, (1,), generator=gen))
+        items = tree_attention.row_items(keys, 64, divisor)
+        first = 0
+        for k, (row_first, count, span) in zip(keys, items):
+            tiles = max(1, -(-k // 64))
+            assert row_first == first and count >= 1 and (count - 1) * span < tiles <= count * span
+            first += count
+        assert first <= divisor + batch
+
+
+def test_row_items_on_the_device_match_the_host():
+    """`_row_items` (each program's plan, on the device) equals `row_items` (the host's mirror that
+    the tests and benchmarks read), keys capped at max_kv (a padded row's unused block columns may
+    pass it: the fourth case's second row), rows past the batch at zero."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def plan_kernel(prefix_ptr, out_ptr, batch, block_cols, max_keys, divisor, BLOCK_N: tl.constexpr,
+                    BATCH_P: tl.constexpr):
+        firsts, counts, spans = tree_attention._row_items(prefix_ptr, batch, block_cols, max_keys, divisor, BLOCK_N,
+                                                          BATCH_P)
+        rb = tl.arange(0, BATCH_P)
+        tl.store(out_ptr + rb * 3, firsts)
+        tl.store(out_ptr + rb * 3 + 1, counts)
+        tl.store(out_ptr + rb * 3 + 2, spans)
+
+    for prefixes, cols, max_keys, divisor in (([700, 5, 30, 0], 5, 721, 4), ([40000, 100, 3000, 17], 65, 40100, 50),
+                                              ([0, 0, 0], 1, 9, 3), ([129, 4000, 64], 17, 3000, 7)):
+        batch_p = triton.next_power_of_2(len(prefixes))
+        out = torch.full((batch_p, 3), -1, dtype=torch.int32, device=DEVICE)
+        plan_kernel[(1,)](torch.tensor(prefixes, device=DEVICE), out, len(prefixes), cols, max_keys, divisor,
+                          BLOCK_N=64, BATCH_P=batch_p)
+        want = tree_attention.row_items([min(p + cols, max_keys) for p in prefixes], 64, divisor)
+        assert out[:len(prefixes)].tolist() == [list(x) for x in want]
+        assert not out[len(prefixes):, 1:].any()
 
 
 def window_mask(context: int, m: int, window: int, max_kv: int) -> torch.Tensor:

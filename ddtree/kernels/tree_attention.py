@@ -22,10 +22,14 @@ program that walks every key: at Qwen3-8B shape that is 8 programs for an autore
 The batched form (`batched_masked_attention`) is the prefix form for R sequences of a batch in one
 launch, each row of the KV cache read from its own first slot with its own prefix length: q holds
 R rows of M tokens (shorter rows padded), the block mask is [R, M, C], the prefix lengths and
-first slots are [R] device tensors, and the grid's split axis becomes (row, split). The key split
-is planned over a static bound on a row's keys (`max_kv`), not over the prefix lengths, so a
-launch's shapes depend on (R, M, cache, heads, max_kv) alone and one CUDA graph serves a batch
-bucket; a split past its row's keys reads nothing and counts in the combine as seeing nothing.
+first slots are [R] device tensors, and the grid's split axis becomes the batch's work items. Each
+program reads every row's prefix length and finds its row and keys: a row gets items in proportion
+to its share of the batch's key tiles (`plan_rows`), so that a long row among short ones is spread
+over the GPU as it would be alone, where a split planned alike for every row over the bucket's
+bound left it to a few programs. The items' count follows (R, M, heads, a static bound on a row's
+keys `max_kv`) alone, not the prefix lengths, so one CUDA graph serves a batch bucket; an item
+past the batch's last reads nothing. (`balance_rows` off: every row split alike over max_kv, a
+split past its row's keys reading nothing and counting in the combine as seeing nothing.)
 
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
 combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
@@ -125,6 +129,10 @@ class AttentionConfig:
     # 17 / 65 tokens at 27B heads 5.8 -> 6.7 / 3.9 -> 7.0, 65 / 257 at 8B's 7.3 -> 13.5 / 9.2 -> 16.0
     # (fewer splits, more rows; attention_profile_h200_*_tilings.json).
     combine_tiled: bool | None = None
+    # A batch's key splits follow its rows' key counts, read on the device (`plan_rows`): a row gets
+    # programs in proportion to its share of the batch's key tiles. False: every row gets the same
+    # splits, planned over max_kv, so one long row among short ones runs on a few programs alone.
+    balance_rows: bool = True
 
 
 DEFAULT = AttentionConfig()
@@ -296,6 +304,36 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
     key_blocks = triton.cdiv(kv_len, config.block_n)
     splits = max(1, min(key_blocks, config.programs_per_sm * sms // programs))
     return block_m, splits
+
+
+def plan_rows(rows: int, kv_heads: int, batch: int, max_kv: int, sms: int,
+              config: AttentionConfig = DEFAULT) -> tuple[int, int]:
+    """(query rows per program, divisor) of a batch's balanced key split (`balance_rows`), for
+    `rows` = M x group rows per KV head of each of `batch` rows. On the device (`_row_items`) the
+    batch's key tiles T (each row's prefix and block columns, in BLOCK_N tiles) are cut in chunks of
+    about T / divisor tiles; a row of t tiles gets ceil(t / chunk) work items, evenly sized, so the
+    items number at most divisor + batch: the grid's split axis, fixed by the shapes alone as a CUDA
+    graph needs. divisor = slots - batch, slots being what `plan` fills (`programs_per_sm` programs
+    an SM over the row blocks and KV heads), keeps the items in one wave; where the rows are more
+    than half the slots, half the slots (a wave and a half at most, no item over 2 T / slots tiles)."""
+    block_m, _ = plan(rows, kv_heads, max_kv, sms, config)
+    slots = max(1, config.programs_per_sm * sms // (triton.cdiv(rows, block_m) * kv_heads))
+    divisor = max(slots - batch, (slots + 1) // 2)
+    return block_m, max(1, min(divisor, batch * triton.cdiv(max_kv, config.block_n)))
+
+
+def row_items(keys: list[int], block_n: int, divisor: int) -> list[tuple[int, int, int]]:
+    """The balanced split of rows of these key counts (each row's prefix and block columns, at most
+    max_kv; `_row_items`, on the host): each row's (first work item, items, key tiles an item)."""
+    tiles = [max(1, -(-k // block_n)) for k in keys]
+    chunk = max(1, -(-sum(tiles) // divisor))
+    out, first = [], 0
+    for t in tiles:
+        span = -(-t // -(-t // chunk))
+        items = -(-t // span)
+        out.append((first, items, span))
+        first += items
+    return out
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -531,52 +569,75 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     block_n = config.block_n
-    block_m, auto_splits = plan(rows, hkv * batch, max_kv, _sm_count(q.device), config)
-    splits = auto_splits if splits is None else max(1, min(splits, triton.cdiv(max_kv, block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
-    splits = triton.cdiv(max_kv, keys_per_split)
-    grid = (triton.cdiv(rows, block_m), hkv, batch * splits)
-    split = splits > 1 or library is not None
-    if split:
-        part_o = torch.empty(splits, hkv, batch * rows, d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits, hkv, batch * rows, 2, dtype=torch.float32, device=q.device)
+    batched = first_slot is not None
+    key_blocks = triton.cdiv(max_kv, block_n)
+    # A batch's prefix form splits each row's keys by its share of the batch's (`plan_rows`);
+    # `splits` then sets the divisor.
+    balanced = batched and prefix and batch > 1 and library is None and config.balance_rows
+    if balanced:
+        block_m, divisor = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
+        divisor = divisor if splits is None else max(1, min(splits, batch * key_blocks))
+        splits = min(divisor, key_blocks)  # the most work items a row gets
+        items = batch + divisor  # the grid's split axis; the partials' leading dim
+        keys_per_split = 0  # each row's own, on the device
+    else:
+        block_m, auto_splits = plan(rows, hkv * batch, max_kv, _sm_count(q.device), config)
+        splits = auto_splits if splits is None else max(1, min(splits, key_blocks))
+        keys_per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+        splits = triton.cdiv(max_kv, keys_per_split)
+        items = batch * splits
+        divisor = splits
+    grid = (triton.cdiv(rows, block_m), hkv, items)
+    split = splits > 1 or library is not None or balanced
+    if split:  # partial sums [item, KV head, row, ...]: a balanced item holds one batch row's rows
+        item_rows = rows if balanced else batch * rows
+        part_o = torch.empty(items if balanced else splits, hkv, item_rows, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(*part_o.shape[:3], 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
     tiles = grid[0] * grid[1] * batch  # each (row block, KV head, batch row) combines once
     # The library's partials are merged by a combine launch of its own: in the fold, a tile's last
     # split read them all alone (at Qwen3.6-27B heads over 8192 keys, N = 17, 16 chunks: 61 us a
     # layer more than cuDNN's part; attention_configs_h200_cudnn_prefix_fold_27b.json).
-    fold = split and library is None and config.fold_combine and block_m * splits <= FOLD_MAX_PARTIALS \
-        and tiles <= MAX_SPLIT_TILES
+    may_fold = split and library is None and config.fold_combine and tiles <= MAX_SPLIT_TILES
+    if balanced:  # rows of at most fold_items items fold; the combine launch takes the longer ones
+        fold_items = min(splits, max(1, FOLD_MAX_PARTIALS // block_m)) if may_fold else 0
+    else:
+        fold_items = splits if may_fold and block_m * splits <= FOLD_MAX_PARTIALS else 0
+    fold = fold_items > 0
     arrivals = _arrival_counters(q.device) if fold else out  # unused unless folded
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    splits_p = triton.next_power_of_2(splits)
+    splits_p = triton.next_power_of_2(max(fold_items, 1))
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
-    batched = first_slot is not None
+    batch_p = triton.next_power_of_2(batch) if balanced else 1
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
-                     keys_per_split, splits, scale * 1.4426950408889634, block_cols,
+                     keys_per_split, splits, batch, max_kv, divisor, fold_items, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1), library[2] if library is not None and library[2] is not None else 0,
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, FOLD=fold, PREFIX=prefix,
                      PREFIX_DONE=library is not None and library[2] is None,
-                     BATCHED=batched, SPLITS_P=splits_p if fold else 1, UNROLL=unroll if fold else 1,
-                     PRECISION=precision, LOOP_WHILE=_INTERPRETED, num_warps=config.num_warps,
-                     num_stages=config.num_stages)
-    if split and not fold:
-        _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config, library)
+                     BATCHED=batched, BALANCED=balanced, BATCH_P=batch_p, SPLITS_P=splits_p if fold else 1,
+                     UNROLL=unroll if fold else 1, PRECISION=precision, LOOP_WHILE=_INTERPRETED,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
+    if split and splits > fold_items:
+        rows_of = (ranges, batch, rows, max_kv, divisor, block_cols, block_n, fold_items) if balanced else None
+        _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config, library, rows_of)
     return out.view(n, hq * d)
 
 
 def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int, splits: int,
-                    config: AttentionConfig, library=None) -> None:
+                    config: AttentionConfig, library=None, rows_of=None) -> None:
     """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
     split at a time, the library's partials (`_launch`) merged too (splits 0: the library's alone).
-    Programs (row block, KV head, head-dim chunk)."""
+    Programs (row block, KV head, head-dim chunk). rows_of: (prefix lengths, batch, rows a batch
+    row, max_kv, divisor, block columns, BLOCK_N, fold_items) of a balanced split (`plan_rows`), whose
+    partials each row finds on the device (splits: the most work items a row has), rows of at most
+    fold_items items having been combined in the attention launch."""
     combine_d = min(config.combine_block_d, d)
     splits_p = triton.next_power_of_2(max(splits, 1))
     tiled = config.combine_tiled if config.combine_tiled is not None else rows <= 16
-    tiled = tiled and library is None
+    tiled = tiled and library is None and rows_of is None
     lib_o, lib_lse, _ = library if library is not None else (out, out, 0)
     lib_splits = lib_o.shape[0] if library is not None else 0
     if tiled:  # as few rows a program as let every split in at once, within combine_loads
@@ -589,12 +650,15 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
     else:
         combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
+        prefix_len, batch, row_len, max_kv, divisor, block_cols, block_n, folded = (
+            rows_of or (out, 1, rows, 0, splits, 0, 1, 0))
         _combine_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
             *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
-            *(lib_lse.stride()[:2] if library is not None else (0, 0)), GROUP=group, D=d,
-            BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll, LOOP_WHILE=_INTERPRETED,
-            LIB_SPLITS=lib_splits, LIB_P=triton.next_power_of_2(max(lib_splits, 1)), num_warps=4)
+            *(lib_lse.stride()[:2] if library is not None else (0, 0)), prefix_len, batch, row_len, max_kv,
+            divisor, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll,
+            LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits, LIB_P=triton.next_power_of_2(max(lib_splits, 1)),
+            BALANCED=rows_of is not None, BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
 
 
 if triton is not None:
@@ -645,12 +709,39 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _row_items(prefix_ptr, batch, block_cols, max_keys, divisor, BLOCK_N: tl.constexpr, BATCH_P: tl.constexpr):
+        """The balanced split of a batch's rows (`plan_rows`; `row_items` on the host): row b's keys
+        (its prefix and block columns, at most max_keys, at least one tile) cut into items of `span`
+        tiles, about 1 / divisor of the batch's tiles each -> (first item, items, span) [BATCH_P],
+        zeros past `batch`."""
+        rb = tl.arange(0, BATCH_P)
+        real = rb < batch
+        keys = tl.minimum(tl.load(prefix_ptr + rb, mask=real, other=0).to(tl.int32) + block_cols, max_keys)
+        tiles = tl.where(real, tl.maximum((keys + BLOCK_N - 1) // BLOCK_N, 1), 0)
+        chunk = tl.maximum((tl.sum(tiles, 0) + divisor - 1) // divisor, 1)
+        items = (tiles + chunk - 1) // chunk
+        span = (tiles + tl.maximum(items, 1) - 1) // tl.maximum(items, 1)
+        items = (tiles + tl.maximum(span, 1) - 1) // tl.maximum(span, 1)  # even items, none empty
+        return tl.cumsum(items, 0) - items, items, span
+
+    @triton.jit
+    def _row_value(values, rb, b):
+        """values[b] of a [BATCH_P] tensor (rb its arange), b a scalar."""
+        return tl.sum(tl.where(rb == b, values, 0), 0)
+
+    @triton.jit
+    def _rows_value(values, rb, b):
+        """values[b[i]] for each i of b [BLOCK_M] -> [BLOCK_M] (0 where b[i] is past the batch)."""
+        return tl.sum(tl.where(rb[None, :] == b[:, None], values[None, :], 0), 1)
+
+    @triton.jit
     def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, first_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr,
-                   rows, kv_len, keys_per_split, splits, scale_log2, block_cols, sq_n, sq_h, sk_t, sk_h, sv_t, sv_h,
-                   sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   rows, kv_len, keys_per_split, splits, batch, max_kv, divisor, fold_items, scale_log2, block_cols,
+                   sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr,
-                   BATCHED: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
-                   LOOP_WHILE: tl.constexpr, PREFIX_DONE: tl.constexpr = False):
+                   BATCHED: tl.constexpr, BALANCED: tl.constexpr, BATCH_P: tl.constexpr, SPLITS_P: tl.constexpr,
+                   UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+                   PREFIX_DONE: tl.constexpr = False):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
@@ -661,23 +752,53 @@ if triton is not None:
         (keys_per_split and splits planned over them).
         BATCHED: axis 2 is (batch row b, split s); b's `rows` rows follow b - 1's, its keys start at
         slot first_ptr[b] of k and v, and its prefix length is range_ptr[b] (PREFIX), or each of its
-        tokens' ranges and mask rows follow the previous row's (counted from that first slot)."""
+        tokens' ranges and mask rows follow the previous row's (counted from that first slot).
+        BALANCED (PREFIX): axis 2 is the work item w of `_row_items`: the row b whose items hold w,
+        its keys [c * span, (c + 1) * span) for c = w - its first item; items past the batch's
+        last do nothing. Partials are [item, KV head, b's rows]; with FOLD, a row of one item is
+        written whole and one of at most fold_items combined by its last item, longer ones left to
+        the combine launch."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         live = r < rows
+        valid = tl.program_id(2) >= 0  # a program with work (all but a balanced split's spare items)
+        item0 = 0  # the first of the row's partials; its items: n_items
+        n_items = splits
+        split_keys = keys_per_split
         if BATCHED:
-            b = tl.program_id(2) // splits
-            s = tl.program_id(2) % splits
+            if BALANCED:
+                rb = tl.arange(0, BATCH_P)
+                firsts, counts, spans = _row_items(range_ptr, batch, block_cols, max_kv, divisor, BLOCK_N, BATCH_P)
+                item = tl.program_id(2)
+                b = tl.sum((firsts + counts <= item).to(tl.int32), 0)  # rows whose items all come before
+                valid = b < batch
+                b = tl.minimum(b, batch - 1)
+                item0 = _row_value(firsts, rb, b)
+                n_items = _row_value(counts, rb, b)
+                split_keys = _row_value(spans, rb, b) * BLOCK_N
+                split_lo = (item - item0) * split_keys
+                live = live & valid
+            else:
+                item = tl.program_id(2) % splits
+                b = tl.program_id(2) // splits
+                split_lo = item * keys_per_split
             r += b * rows  # from here on rows (and tokens) count across the batch rows, in order
-            all_rows = rows * (tl.num_programs(2) // splits)
+            all_rows = rows * batch
             first_slot = tl.load(first_ptr + b)
             k_ptr += first_slot.to(tl.int64) * sk_t
             v_ptr += first_slot.to(tl.int64) * sv_t
             kv_len = kv_len - first_slot.to(tl.int32)  # reads stop at the cache's end
         else:
             b = 0
-            s = tl.program_id(2)
+            item = tl.program_id(2)
+            split_lo = item * keys_per_split
             all_rows = rows
+        if BALANCED:  # the partials' rows: a balanced item's are its batch row's alone
+            item_rows = rows
+            r_item = r - b * rows
+        else:
+            item_rows = all_rows
+            r_item = r
         tok = r // GROUP
         head = h * GROUP + r % GROUP
         dims = tl.arange(0, D)
@@ -699,8 +820,8 @@ if triton is not None:
             first = tl.min(tl.load(range_ptr + tok * 2, mask=live, other=kv_len), 0)
             last = tl.max(tl.load(range_ptr + tok * 2 + 1, mask=live, other=0), 0)
         # key blocks stay aligned to BLOCK_N, so skipping never changes how the sums are grouped
-        start = tl.maximum(s * keys_per_split, (first // BLOCK_N) * BLOCK_N)
-        end = tl.minimum(tl.minimum(s * keys_per_split + keys_per_split, kv_len), last)
+        start = tl.maximum(split_lo, (first // BLOCK_N) * BLOCK_N)
+        end = tl.minimum(tl.minimum(split_lo + split_keys, kv_len), last)
         if PREFIX:  # whole key blocks of the prefix first, with no mask; the rest below, masked
             seen_end = tl.minimum(end, (prefix_len // BLOCK_N) * BLOCK_N)
             if LOOP_WHILE:
@@ -724,11 +845,24 @@ if triton is not None:
             for j in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _step(q, k_ptr, v_ptr, mask_ptr, tok, live, dims, j, end, h, m_i, l_i, acc, scale_log2,
                                       prefix_len, block_cols, sk_t, sk_h, sv_t, sv_h, sm_n, BLOCK_N, PRECISION, PREFIX)
+        # A balanced split's row of one item, where the last item combines (FOLD), is written whole here
+        # (no partials, no arrival): short rows among many, most of a batch over short contexts.
+        whole = live
+        keep = live
+        counted = valid
+        if BALANCED:
+            if FOLD:
+                whole = live & (n_items == 1)
+                keep = live & (n_items > 1)
+                counted = valid & (n_items > 1) & (n_items <= fold_items)
         if SPLIT:
-            at = (s * tl.num_programs(1) + h) * all_rows + r
-            tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=live[:, None])
-            tl.store(part_ml_ptr + at * 2, m_i, mask=live)
-            tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=live)
+            at = (item * tl.num_programs(1) + h) * item_rows + r_item
+            tl.store(part_o_ptr + at[:, None] * D + dims[None, :], acc, mask=keep[:, None])
+            tl.store(part_ml_ptr + at * 2, m_i, mask=keep)
+            tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=keep)
+        if BALANCED:
+            if FOLD:  # before the fold's combine, so that acc is no longer held through it
+                _store_whole(out_ptr, acc, l_i, whole, tok, head, dims, so_n, so_h)
         if FOLD:
             # Every thread's stores are issued before one thread releases them with the arrival
             # count (a block barrier, then a GPU-scope acquire-release atomic: a semaphore).
@@ -736,19 +870,25 @@ if triton is not None:
             tile = h * tl.num_programs(0) + tl.program_id(0)
             if BATCHED:
                 tile += b * tl.num_programs(1) * tl.num_programs(0)
-            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:  # the tile's last split: every other split's partials are visible
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, mask=counted, sem="acq_rel", scope="gpu")
+            if counted & (arrived == n_items - 1):  # the tile's last split: every other's partials are visible
                 tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch
-                _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, tl.num_programs(1), all_rows,
-                         splits, so_n, so_h, D, BLOCK_M, D, SPLITS_P, UNROLL, LOOP_WHILE, part_o_ptr, part_ml_ptr,
-                         0, 0, 0, 0, 0, 0, 1)  # no library partials in the fold
+                _combine(part_o_ptr, part_ml_ptr, out_ptr, r_item, live, tok, head, dims, h, tl.num_programs(1),
+                         item_rows, item0 + tl.zeros_like(r), n_items + tl.zeros_like(r), n_items, so_n, so_h, D,
+                         BLOCK_M, D, SPLITS_P, UNROLL, LOOP_WHILE, part_o_ptr, part_ml_ptr, 0, 0, 0, 0, 0, 0,
+                         1)  # no library partials in the fold
         if not SPLIT:  # a row that saw no key (batch padding) gets zeros
-            out = acc / tl.where(live & (l_i > 0), l_i, 1.0)[:, None]
-            tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+            _store_whole(out_ptr, acc, l_i, live, tok, head, dims, so_n, so_h)
 
     @triton.jit
-    def _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, splits, kv_heads, h, rows, r, live, dims,
+    def _store_whole(out_ptr, acc, l_i, live, tok, head, dims, so_n, so_h):
+        """The normalised output of rows that saw all their keys here (zeros where none)."""
+        out = acc / tl.where(live & (l_i > 0), l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, item0, n_items, kv_heads, h, rows, r, live, dims,
                        D: tl.constexpr, UNROLL: tl.constexpr):
         """acc += w_s * partial sum of split s, for s in [first, first + UNROLL): loads issued together.
         w_s = exp2(m_s - top) from split s's own running max, loaded again (BLOCK_M floats, from L2).
@@ -758,8 +898,8 @@ if triton is not None:
         the two took 41.0 us a layer against 48.5 (attention_configs_h200_combine_27b_8k_{new,old}.json)."""
         for u in tl.static_range(UNROLL):
             s = first + u
-            at = (s * kv_heads + h) * rows + r
-            ok = live & (s < splits)
+            at = ((item0 + s) * kv_heads + h) * rows + r
+            ok = live & (s < n_items)
             ws = tl.exp2(tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg") - top)
             o = tl.load(part_o_ptr + at[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0,
                         cache_modifier=".cg")
@@ -767,18 +907,19 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, kv_heads, rows, splits, so_n, so_h,
-                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
-                 UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr, lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s,
-                 sll_h, LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr):
-        """The splits' partial sums of rows r (KV head h), head dims `dims` (BLOCK_D of D) -> the
-        normalised output there, with LIB_SPLITS more from the library (`cudnn_prefix`'s outputs,
-        each normalised, and its natural-log denominators: a partial of max lse * log2(e) and sum 1).
-        Loads bypass L1 (`.cg`): the partials may have been written by other programs of the same
-        launch."""
+    def _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, tok, head, dims, h, kv_heads, rows, item0, n_items,
+                 max_items, so_n, so_h, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr, lib_o_ptr, lib_lse_ptr,
+                 slo_s, slo_h, slo_r, sll_s, sll_h, LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr):
+        """The splits' partial sums of rows r (KV head h; r indexes the partials' `rows`), head dims
+        `dims` (BLOCK_D of D) -> the normalised output there, with LIB_SPLITS more from the library
+        (`cudnn_prefix`'s outputs, each normalised, and its natural-log denominators: a partial of
+        max lse * log2(e) and sum 1). Row r's partials are items item0[r] .. item0[r] + n_items[r]
+        - 1 ([BLOCK_M] each; n_items at most max_items, at most SPLITS_P). Loads bypass L1 (`.cg`):
+        the partials may have been written by other programs of the same launch."""
         sp = tl.arange(0, SPLITS_P)
-        at = (sp[:, None] * kv_heads + h) * rows + r[None, :]  # [SPLITS_P, BLOCK_M]
-        ok = (sp[:, None] < splits) & live[None, :]
+        at = ((item0[None, :] + sp[:, None]) * kv_heads + h) * rows + r[None, :]  # [SPLITS_P, BLOCK_M]
+        ok = (sp[:, None] < n_items[None, :]) & live[None, :]
         m = tl.load(part_ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
         top = tl.max(m, 0)
         if LIB_SPLITS > 0:
@@ -792,14 +933,14 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if LOOP_WHILE:  # Triton's interpreter cannot take a tensor as a `range` bound
             first = 0
-            while first < splits:
-                acc = _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, splits, kv_heads, h, rows, r, live,
-                                     dims, D, UNROLL)
+            while first < max_items:
+                acc = _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, item0, n_items, kv_heads, h, rows, r,
+                                     live, dims, D, UNROLL)
                 first += UNROLL
         else:
-            for first in range(0, splits, UNROLL):
-                acc = _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, splits, kv_heads, h, rows, r, live,
-                                     dims, D, UNROLL)
+            for first in range(0, max_items, UNROLL):
+                acc = _combine_group(part_o_ptr, part_ml_ptr, acc, top, first, item0, n_items, kv_heads, h, rows, r,
+                                     live, dims, D, UNROLL)
         if LIB_SPLITS > 0:
             total += tl.sum(tl.exp2(lib_m - top[None, :]), 0)
             for u in tl.static_range(LIB_SPLITS):
@@ -814,18 +955,37 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, lib_o_ptr, lib_lse_ptr, slo_s,
-                        slo_h, slo_r, sll_s, sll_h, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr,
-                        LOOP_WHILE: tl.constexpr, LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr):
+                        slo_h, slo_r, sll_s, sll_h, prefix_ptr, batch, row_len, max_kv, divisor, block_cols, folded,
+                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr,
+                        LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr, BALANCED: tl.constexpr,
+                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
         partials are too many for the last split to combine them, `fold_combine` is off, or the
-        library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too."""
+        library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too. BALANCED: a balanced
+        split's partials (`_attention`'s), each row's found from the prefix lengths of the batch's
+        rows (row_len rows each) as the attention found them, but for rows of at most `folded`
+        items, which the attention launch combined."""
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-        _combine(part_o_ptr, part_ml_ptr, out_ptr, r, r < rows, r // GROUP, h * GROUP + r % GROUP, dims, h,
-                 tl.num_programs(1), rows, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE,
-                 lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
+        live = r < rows
+        if BALANCED:
+            rb = tl.arange(0, BATCH_P)
+            firsts, counts, _ = _row_items(prefix_ptr, batch, block_cols, max_kv, divisor, BLOCK_N, BATCH_P)
+            b = r // row_len
+            item0 = _rows_value(firsts, rb, b)
+            n_items = _rows_value(counts, rb, b)
+            live = live & (n_items > folded)
+            _combine(part_o_ptr, part_ml_ptr, out_ptr, r % row_len, live, r // GROUP, h * GROUP + r % GROUP, dims,
+                     h, tl.num_programs(1), row_len, item0, n_items, tl.max(tl.where(live, n_items, 0), 0), so_n,
+                     so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE, lib_o_ptr, lib_lse_ptr, slo_s, slo_h,
+                     slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
+        else:
+            zero = tl.zeros_like(r)
+            _combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, r // GROUP, h * GROUP + r % GROUP, dims, h,
+                     tl.num_programs(1), rows, zero, zero + splits, splits, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P,
+                     UNROLL, LOOP_WHILE, lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
 
     @triton.jit
     def _split_tile(first, splits, kv_heads, h, rows, r, live, BLOCK_S: tl.constexpr):
