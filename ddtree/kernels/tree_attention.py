@@ -656,9 +656,10 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
             *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
             *(lib_lse.stride()[:2] if library is not None else (0, 0)), prefix_len, batch, row_len, max_kv,
-            divisor, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p, UNROLL=unroll,
-            LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits, LIB_P=triton.next_power_of_2(max(lib_splits, 1)),
-            BALANCED=rows_of is not None, BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
+            divisor, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
+            UNROLL=unroll, LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits,
+            LIB_P=triton.next_power_of_2(max(lib_splits, 1)), BALANCED=rows_of is not None,
+            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
 
 
 if triton is not None:
@@ -737,10 +738,10 @@ if triton is not None:
     @triton.jit
     def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, first_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr,
                    rows, kv_len, keys_per_split, splits, batch, max_kv, divisor, fold_items, scale_log2, block_cols,
-                   sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, PREFIX: tl.constexpr,
-                   BATCHED: tl.constexpr, BALANCED: tl.constexpr, BATCH_P: tl.constexpr, SPLITS_P: tl.constexpr,
-                   UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
+                   sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
+                   PREFIX: tl.constexpr, BATCHED: tl.constexpr, BALANCED: tl.constexpr, BATCH_P: tl.constexpr,
+                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
                    PREFIX_DONE: tl.constexpr = False):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
