@@ -72,7 +72,7 @@ CASES = [  # m, Hq, Hkv, D, prefix lengths per row, strided cache
 @pytest.mark.parametrize("balance", [True, False])
 def test_batched_equals_rows_alone(m, hq, hkv, d, prefixes, strided, splits, block, balance):
     """Each row as if alone, with each batch row's keys split by its share of the batch's
-    (`balance_rows`, where `splits` sets the divisor) or every row alike over max_kv."""
+    (`balance_rows`, where `splits` sets the work items) or every row alike over max_kv."""
     r = len(prefixes)
     q, k, v, first, row_slots = batch_inputs(m, hq, hkv, d, prefixes, torch.float32, seed=m + r, strided=strided)
     blk = block_masks(m, r, block, seed=m)
@@ -116,30 +116,41 @@ def test_combine_in_kernel_or_launched(fold, tiled, splits, balance):
             torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
 
 
+LONG_AMONG_SHORT = [  # prefixes of a batch, the balanced plan's (first item, items, tiles an item) per row
+    # 8 slots (two programs an SM of 8, one row block, two KV heads), 4 rows: one wave, the long
+    # row in four items of three key tiles (chunks of 2 would make 9 items)
+    ([700, 5, 30, 0], [(0, 4, 3), (4, 1, 1), (5, 1, 1), (6, 1, 1)]),
+    # 8 slots, 8 rows: in one wave the long row would run in one item of 32 tiles; in eight of four
+    # among the short rows' seven, the programs that end take the next items
+    ([2000] + [3] * 7, [(0, 8, 4)] + [(8 + i, 1, 1) for i in range(7)]),
+]
+
+
+@pytest.mark.parametrize("prefixes,plan", LONG_AMONG_SHORT)
 @pytest.mark.parametrize("fold", [True, False])
-def test_a_long_row_among_short_ones_gets_the_programs(fold):
-    """A balanced split (`plan_rows`) gives the row of 700 keys three items of four key tiles and
-    each short row one (the uniform split would give every row two over max_kv); every row equals
-    float64 attention, its partials merged by its last item (fold) or by the combine launch."""
-    m, prefixes = 5, [700, 5, 30, 0]
+def test_a_long_row_among_short_ones_gets_the_programs(prefixes, plan, fold):
+    """A balanced split (`plan_rows`, `row_items`) spreads a long row's keys over several programs
+    and gives each short row one (the uniform split would give every row the same over max_kv);
+    every row equals float64 attention, its partials merged by its last item (fold) or by the
+    combine launch."""
+    m, batch = 5, len(prefixes)
     config = AttentionConfig(fold_combine=fold)
     q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=21, strided=True)
-    block_m, divisor = tree_attention.plan_rows(m * 2, 2, 4, row_slots, tree_attention._sm_count(q.device), config)
-    assert divisor == 4  # 8 slots (two programs an SM of 8, one row block, two KV heads) less the 4 rows
-    items = tree_attention.row_items([p + m for p in prefixes], config.block_n, divisor)
-    assert items == [(0, 3, 4), (3, 1, 1), (4, 1, 1), (5, 1, 1)]
-    blk = block_masks(m, 4, "tree", seed=2)
+    block_m, slots = tree_attention.plan_rows(m * 2, 2, batch, row_slots, tree_attention._sm_count(q.device), config)
+    assert slots == 8
+    assert tree_attention.row_items([p + m for p in prefixes], config.block_n, slots) == plan
+    blk = block_masks(m, batch, "tree", seed=2)
     prefix = torch.tensor(prefixes, device=DEVICE)
     for _ in range(2):  # the arrival counters left at zero
         got = batched_masked_attention(q, k, v, blk, 0.25, prefix, first, max_kv=row_slots, config=config)
-        for b in range(4):
+        for b in range(batch):
             want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
             torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
 
 
 def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
-    """With 64-row blocks the fold takes rows of up to 8 items (FOLD_MAX_PARTIALS // 64): at a
-    divisor of 20 the long row's 12 items go to the combine launch, which skips the rows the
+    """With 64-row blocks the fold takes rows of up to 8 items (FOLD_MAX_PARTIALS // 64): in 20
+    slots the long row's 12 items go to the combine launch, which skips the rows the
     attention launch wrote (one item each, written whole); all equal float64 attention."""
     launches = []
     original = tree_attention._launch_combine
@@ -150,7 +161,7 @@ def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
     blk = block_masks(m, 3, "tree", seed=5)
     got = batched_masked_attention(q, k, v, blk, 0.25, torch.tensor(prefixes, device=DEVICE), first,
                                    max_kv=row_slots, config=AttentionConfig(block_m=64), splits=20)
-    assert len(launches) == 1 and launches[0][-1] == 8  # rows_of: rows of up to 8 items folded
+    assert len(launches) == 1 and launches[0][7] == 8  # rows_of: rows of up to 8 items folded
     for b in range(3):
         want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
         torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
@@ -159,22 +170,32 @@ def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
 def test_row_items_cover_each_rows_keys_once():
     """The balanced plan on the host (`row_items`): each row's items cover its key tiles once, in
     items of equal span (the last no emptier than a span), one item at least (a row with no key
-    still writes its zeros), the batch's items at most divisor + rows and consecutive; and the
-    device's `_row_items` gives the same."""
+    still writes its zeros), the batch's items consecutive and within slots + rows, within the slots
+    where the rows of equal keys fit in them, and no item longer than the larger of the two chunks
+    it chooses between (`chunk_within`: the shortest that keeps the items within the slots, and
+    within slots + rows)."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
         batch = int(torch.randint(1, 9, (1,), generator=gen))
         keys = [int(x) for x in torch.randint(0, 3000, (batch,), generator=gen)]
         if trial % 3 == 0:
             keys[0] = 100_000  # one long row
-        divisor = int(torch.randint(1, 40, (1,), generator=gen))
-        items = tree_attention.row_items(keys, 64, divisor)
+        if trial % 5 == 0:
+            keys = [keys[0]] * batch  # rows of equal keys
+        slots = int(torch.randint(1, 40, (1,), generator=gen))
+        items = tree_attention.row_items(keys, 64, slots)
         first = 0
-        for k, (row_first, count, span) in zip(keys, items):
-            tiles = max(1, -(-k // 64))
-            assert row_first == first and count >= 1 and (count - 1) * span < tiles <= count * span
+        tiles = [max(1, -(-k // 64)) for k in keys]
+        for t, (row_first, count, span) in zip(tiles, items):
+            assert row_first == first and count >= 1 and (count - 1) * span < t <= count * span
             first += count
-        assert first <= divisor + batch
+        assert first <= slots + batch
+        if len(set(keys)) == 1 and batch <= slots:
+            assert first <= slots
+        bound = tree_attention.chunk_within(tiles, slots + batch)
+        if batch <= slots:
+            bound = max(bound, tree_attention.chunk_within(tiles, slots))
+        assert max(span for _, _, span in items) <= bound
 
 
 def test_row_items_on_the_device_match_the_host():
@@ -185,22 +206,23 @@ def test_row_items_on_the_device_match_the_host():
     import triton.language as tl
 
     @triton.jit
-    def plan_kernel(prefix_ptr, out_ptr, batch, block_cols, max_keys, divisor, BLOCK_N: tl.constexpr,
-                    BATCH_P: tl.constexpr):
-        firsts, counts, spans = tree_attention._row_items(prefix_ptr, batch, block_cols, max_keys, divisor, BLOCK_N,
-                                                          BATCH_P)
+    def plan_kernel(prefix_ptr, out_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr,
+                    BATCH_P: tl.constexpr, SEARCH: tl.constexpr):
+        firsts, counts, spans = tree_attention._row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N,
+                                                          BATCH_P, SEARCH)
         rb = tl.arange(0, BATCH_P)
         tl.store(out_ptr + rb * 3, firsts)
         tl.store(out_ptr + rb * 3 + 1, counts)
         tl.store(out_ptr + rb * 3 + 2, spans)
 
-    for prefixes, cols, max_keys, divisor in (([700, 5, 30, 0], 5, 721, 4), ([40000, 100, 3000, 17], 65, 40100, 50),
-                                              ([0, 0, 0], 1, 9, 3), ([129, 4000, 64], 17, 3000, 7)):
+    for prefixes, cols, max_keys, slots in (([700, 5, 30, 0], 5, 721, 8), ([40000, 100, 3000, 17], 65, 40100, 66),
+                                            ([0, 0, 0], 1, 9, 3), ([129, 4000, 64], 17, 3000, 7),
+                                            ([5000] + [10] * 7, 1, 6000, 8), ([3000, 1, 2, 3, 4], 1, 4000, 3)):
         batch_p = triton.next_power_of_2(len(prefixes))
         out = torch.full((batch_p, 3), -1, dtype=torch.int32, device=DEVICE)
-        plan_kernel[(1,)](torch.tensor(prefixes, device=DEVICE), out, len(prefixes), cols, max_keys, divisor,
-                          BLOCK_N=64, BATCH_P=batch_p)
-        want = tree_attention.row_items([min(p + cols, max_keys) for p in prefixes], 64, divisor)
+        plan_kernel[(1,)](torch.tensor(prefixes, device=DEVICE), out, len(prefixes), cols, max_keys, slots,
+                          BLOCK_N=64, BATCH_P=batch_p, SEARCH=(-(-max_keys // 64)).bit_length() + 1)
+        want = tree_attention.row_items([min(p + cols, max_keys) for p in prefixes], 64, slots)
         assert out[:len(prefixes)].tolist() == [list(x) for x in want]
         assert not out[len(prefixes):, 1:].any()
 

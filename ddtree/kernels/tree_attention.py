@@ -23,12 +23,12 @@ The batched form (`batched_masked_attention`) is the prefix form for R sequences
 launch, each row of the KV cache read from its own first slot with its own prefix length: q holds
 R rows of M tokens (shorter rows padded), the block mask is [R, M, C], the prefix lengths and
 first slots are [R] device tensors, and the grid's split axis becomes the batch's work items. Each
-program reads every row's prefix length and finds its row and keys: a row gets items in proportion
-to its share of the batch's key tiles (`plan_rows`), so that a long row among short ones is spread
-over the GPU as it would be alone, where a split planned alike for every row over the bucket's
-bound left it to a few programs. The items' count follows (R, M, heads, a static bound on a row's
-keys `max_kv`) alone, not the prefix lengths, so one CUDA graph serves a batch bucket; an item
-past the batch's last reads nothing. (`balance_rows` off: every row split alike over max_kv, a
+program reads every row's prefix length and finds its row and keys: the rows' keys are cut in
+items of one length (`row_items`), so that a long row among short ones is spread over the GPU as
+it would be alone, where a split planned alike for every row over the bucket's bound left it to a
+few programs. The items' count follows (R, M, heads, a static bound on a row's keys `max_kv`)
+alone, not the prefix lengths, so one CUDA graph serves a batch bucket; an item past the batch's
+last reads nothing. (`balance_rows` off: every row split alike over max_kv, a
 split past its row's keys reading nothing and counting in the combine as seeing nothing.)
 
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
@@ -129,9 +129,9 @@ class AttentionConfig:
     # 17 / 65 tokens at 27B heads 5.8 -> 6.7 / 3.9 -> 7.0, 65 / 257 at 8B's 7.3 -> 13.5 / 9.2 -> 16.0
     # (fewer splits, more rows; attention_profile_h200_*_tilings.json).
     combine_tiled: bool | None = None
-    # A batch's key splits follow its rows' key counts, read on the device (`plan_rows`): a row gets
-    # programs in proportion to its share of the batch's key tiles. False: every row gets the same
-    # splits, planned over max_kv, so one long row among short ones runs on a few programs alone.
+    # A batch's key splits follow its rows' key counts, read on the device (`plan_rows`, `row_items`):
+    # a row gets programs in proportion to its keys. False: every row gets the same splits, planned
+    # over max_kv, so one long row among short ones runs on a few programs alone.
     balance_rows: bool = True
 
 
@@ -308,28 +308,42 @@ def plan(rows: int, kv_heads: int, kv_len: int, sms: int, config: AttentionConfi
 
 def plan_rows(rows: int, kv_heads: int, batch: int, max_kv: int, sms: int,
               config: AttentionConfig = DEFAULT) -> tuple[int, int]:
-    """(query rows per program, divisor) of a batch's balanced key split (`balance_rows`), for
-    `rows` = M x group rows per KV head of each of `batch` rows. On the device (`_row_items`) the
-    batch's key tiles T (each row's prefix and block columns, in BLOCK_N tiles) are cut in chunks of
-    about T / divisor tiles; a row of t tiles gets ceil(t / chunk) work items, evenly sized, so the
-    items number at most divisor + batch: the grid's split axis, fixed by the shapes alone as a CUDA
-    graph needs. divisor = slots - batch, slots being what `plan` fills (`programs_per_sm` programs
-    an SM over the row blocks and KV heads), keeps the items in one wave; where the rows are more
-    than half the slots, half the slots (a wave and a half at most, no item over 2 T / slots tiles)."""
+    """(query rows per program, slots) of a batch's balanced key split (`balance_rows`), for `rows`
+    = M x group rows per KV head of each of `batch` rows: slots, the programs of each row block and
+    KV head that fill the GPU (`plan`'s `programs_per_sm` an SM). The grid's split axis holds slots
+    + batch work items, fixed by the shapes alone as a CUDA graph needs; on the device each row's
+    keys (its prefix and block columns) are cut in items of at most `chunk` key tiles (`row_items`)."""
     block_m, _ = plan(rows, kv_heads, max_kv, sms, config)
-    slots = max(1, config.programs_per_sm * sms // (triton.cdiv(rows, block_m) * kv_heads))
-    divisor = max(slots - batch, (slots + 1) // 2)
-    return block_m, max(1, min(divisor, batch * triton.cdiv(max_kv, config.block_n)))
+    slots = config.programs_per_sm * sms // (triton.cdiv(rows, block_m) * kv_heads)
+    return block_m, max(1, min(slots, batch * triton.cdiv(max_kv, config.block_n)))
 
 
-def row_items(keys: list[int], block_n: int, divisor: int) -> list[tuple[int, int, int]]:
+def chunk_within(tiles: list[int], items: int) -> int:
+    """The smallest chunk (key tiles an item) that cuts rows of these tiles into at most `items`."""
+    lo, hi = 1, max(tiles)  # hi: one item a row, which fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sum(-(-t // mid) for t in tiles) <= items else (mid + 1, hi)
+    return hi
+
+
+def row_items(keys: list[int], block_n: int, slots: int) -> list[tuple[int, int, int]]:
     """The balanced split of rows of these key counts (each row's prefix and block columns, at most
-    max_kv; `_row_items`, on the host): each row's (first work item, items, key tiles an item)."""
+    max_kv; `_row_items` on the device) -> each row's (first work item, items, key tiles an item).
+
+    Of two chunks, the one whose programs should end first: the smallest that keeps the items
+    within the slots (one wave, as long as its longest item), or the smallest that keeps them
+    within slots + rows (more items than slots: a program that ends takes the next item, so about
+    the batch's tiles / slots plus one item; a long row among short ones, whose items would be few
+    and long in one wave)."""
     tiles = [max(1, -(-k // block_n)) for k in keys]
-    chunk = max(1, -(-sum(tiles) // divisor))
+    one_wave = chunk_within(tiles, slots) if len(tiles) <= slots else None
+    chunk = chunk_within(tiles, slots + len(tiles))
+    if one_wave is not None and one_wave * slots <= sum(tiles) + chunk * slots:
+        chunk = one_wave
     out, first = [], 0
     for t in tiles:
-        span = -(-t // -(-t // chunk))
+        span = -(-t // -(-t // chunk))  # the row's items evened out
         items = -(-t // span)
         out.append((first, items, span))
         first += items
@@ -572,13 +586,14 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     batched = first_slot is not None
     key_blocks = triton.cdiv(max_kv, block_n)
     # A batch's prefix form splits each row's keys by its share of the batch's (`plan_rows`);
-    # `splits` then sets the divisor.
+    # `splits` then sets the work items (slots).
     balanced = batched and prefix and batch > 1 and library is None and config.balance_rows
+    search = key_blocks.bit_length() + 1  # binary-search steps for a row's chunk (`_row_items`)
     if balanced:
-        block_m, divisor = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
-        divisor = divisor if splits is None else max(1, min(splits, batch * key_blocks))
-        splits = min(divisor, key_blocks)  # the most work items a row gets
-        items = batch + divisor  # the grid's split axis; the partials' leading dim
+        block_m, slots = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
+        slots = slots if splits is None else max(1, min(splits, batch * key_blocks))
+        splits = min(slots + 1, key_blocks)  # the most work items a row gets
+        items = slots + batch  # the grid's split axis; the partials' leading dim
         keys_per_split = 0  # each row's own, on the device
     else:
         block_m, auto_splits = plan(rows, hkv * batch, max_kv, _sm_count(q.device), config)
@@ -586,7 +601,7 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
         keys_per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
         splits = triton.cdiv(max_kv, keys_per_split)
         items = batch * splits
-        divisor = splits
+        slots = splits
     grid = (triton.cdiv(rows, block_m), hkv, items)
     split = splits > 1 or library is not None or balanced
     if split:  # partial sums [item, KV head, row, ...]: a balanced item holds one batch row's rows
@@ -611,16 +626,17 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     unroll = max(1, min(splits_p, config.combine_loads // (block_m * d)))
     batch_p = triton.next_power_of_2(batch) if balanced else 1
     _attention[grid](q, k, v, mask, ranges, first_slot if batched else ranges, out, part_o, part_ml, arrivals, rows, t,
-                     keys_per_split, splits, batch, max_kv, divisor, fold_items, scale * 1.4426950408889634, block_cols,
+                     keys_per_split, splits, batch, max_kv, slots, fold_items, scale * 1.4426950408889634, block_cols,
                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
                      out.stride(0), out.stride(1), library[2] if library is not None and library[2] is not None else 0,
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, FOLD=fold, PREFIX=prefix,
                      PREFIX_DONE=library is not None and library[2] is None,
-                     BATCHED=batched, BALANCED=balanced, BATCH_P=batch_p, SPLITS_P=splits_p if fold else 1,
+                     BATCHED=batched, BALANCED=balanced, BATCH_P=batch_p, SEARCH=search if balanced else 1,
+                     SPLITS_P=splits_p if fold else 1,
                      UNROLL=unroll if fold else 1, PRECISION=precision, LOOP_WHILE=_INTERPRETED,
                      num_warps=config.num_warps, num_stages=config.num_stages)
     if split and splits > fold_items:
-        rows_of = (ranges, batch, rows, max_kv, divisor, block_cols, block_n, fold_items) if balanced else None
+        rows_of = (ranges, batch, rows, max_kv, slots, block_cols, block_n, fold_items, search) if balanced else None
         _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config, library, rows_of)
     return out.view(n, hq * d)
 
@@ -631,7 +647,7 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
     split at a time, the library's partials (`_launch`) merged too (splits 0: the library's alone).
     Programs (row block, KV head, head-dim chunk). rows_of: (prefix lengths, batch, rows a batch
-    row, max_kv, divisor, block columns, BLOCK_N, fold_items) of a balanced split (`plan_rows`), whose
+    row, max_kv, slots, block columns, BLOCK_N, fold_items, SEARCH) of a balanced split (`plan_rows`), whose
     partials each row finds on the device (splits: the most work items a row has), rows of at most
     fold_items items having been combined in the attention launch."""
     combine_d = min(config.combine_block_d, d)
@@ -650,16 +666,16 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
     else:
         combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
-        prefix_len, batch, row_len, max_kv, divisor, block_cols, block_n, folded = (
-            rows_of or (out, 1, rows, 0, splits, 0, 1, 0))
+        prefix_len, batch, row_len, max_kv, slots, block_cols, block_n, folded, search = (
+            rows_of or (out, 1, rows, 0, splits, 0, 1, 0, 1))
         _combine_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
             *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
             *(lib_lse.stride()[:2] if library is not None else (0, 0)), prefix_len, batch, row_len, max_kv,
-            divisor, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
+            slots, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
             UNROLL=unroll, LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits,
             LIB_P=triton.next_power_of_2(max(lib_splits, 1)), BALANCED=rows_of is not None,
-            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
+            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, SEARCH=search, num_warps=4)
 
 
 if triton is not None:
@@ -710,19 +726,35 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _row_items(prefix_ptr, batch, block_cols, max_keys, divisor, BLOCK_N: tl.constexpr, BATCH_P: tl.constexpr):
-        """The balanced split of a batch's rows (`plan_rows`; `row_items` on the host): row b's keys
-        (its prefix and block columns, at most max_keys, at least one tile) cut into items of `span`
-        tiles, about 1 / divisor of the batch's tiles each -> (first item, items, span) [BATCH_P],
-        zeros past `batch`."""
+    def _chunk_within(tiles, items, SEARCH: tl.constexpr):
+        """The smallest chunk (key tiles an item) that cuts rows of these tiles [BATCH_P] into at most
+        `items` (a binary search of SEARCH steps, enough for the longest row; at most its tiles)."""
+        hi = tl.max(tiles, 0)  # one item a row
+        lo = hi * 0 + 1
+        for _ in tl.static_range(SEARCH):
+            mid = (lo + hi) // 2
+            fits = tl.sum((tiles + mid - 1) // mid, 0) <= items
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid + 1)
+        return hi
+
+    @triton.jit
+    def _row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr, BATCH_P: tl.constexpr,
+                   SEARCH: tl.constexpr):
+        """The balanced split of a batch's rows (`row_items` on the host, which says how the chunk is
+        chosen): row b's keys (its prefix and block columns, at most max_keys, at least one tile)
+        cut into items of `span` tiles -> (first item, items, span) [BATCH_P], zeros past `batch`."""
         rb = tl.arange(0, BATCH_P)
         real = rb < batch
         keys = tl.minimum(tl.load(prefix_ptr + rb, mask=real, other=0).to(tl.int32) + block_cols, max_keys)
         tiles = tl.where(real, tl.maximum((keys + BLOCK_N - 1) // BLOCK_N, 1), 0)
-        chunk = tl.maximum((tl.sum(tiles, 0) + divisor - 1) // divisor, 1)
+        chunk = _chunk_within(tiles, slots + batch, SEARCH)
+        if batch <= slots:
+            one_wave = _chunk_within(tiles, slots, SEARCH)
+            chunk = tl.where(one_wave * slots <= tl.sum(tiles, 0) + chunk * slots, one_wave, chunk)
         items = (tiles + chunk - 1) // chunk
         span = (tiles + tl.maximum(items, 1) - 1) // tl.maximum(items, 1)
-        items = (tiles + tl.maximum(span, 1) - 1) // tl.maximum(span, 1)  # even items, none empty
+        items = (tiles + tl.maximum(span, 1) - 1) // tl.maximum(span, 1)  # evened out, none empty
         return tl.cumsum(items, 0) - items, items, span
 
     @triton.jit
@@ -737,12 +769,12 @@ if triton is not None:
 
     @triton.jit
     def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, range_ptr, first_ptr, out_ptr, part_o_ptr, part_ml_ptr, arrivals_ptr,
-                   rows, kv_len, keys_per_split, splits, batch, max_kv, divisor, fold_items, scale_log2, block_cols,
+                   rows, kv_len, keys_per_split, splits, batch, max_kv, slots, fold_items, scale_log2, block_cols,
                    sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
                    PREFIX: tl.constexpr, BATCHED: tl.constexpr, BALANCED: tl.constexpr, BATCH_P: tl.constexpr,
-                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr, LOOP_WHILE: tl.constexpr,
-                   PREFIX_DONE: tl.constexpr = False):
+                   SEARCH: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
+                   LOOP_WHILE: tl.constexpr, PREFIX_DONE: tl.constexpr = False):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
         normalised output; or (SPLIT) the split's unnormalised sum, running max and denominator
@@ -769,7 +801,8 @@ if triton is not None:
         if BATCHED:
             if BALANCED:
                 rb = tl.arange(0, BATCH_P)
-                firsts, counts, spans = _row_items(range_ptr, batch, block_cols, max_kv, divisor, BLOCK_N, BATCH_P)
+                firsts, counts, spans = _row_items(range_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P,
+                                                   SEARCH)
                 item = tl.program_id(2)
                 b = tl.sum((firsts + counts <= item).to(tl.int32), 0)  # rows whose items all come before
                 valid = b < batch
@@ -956,11 +989,11 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, lib_o_ptr, lib_lse_ptr, slo_s,
-                        slo_h, slo_r, sll_s, sll_h, prefix_ptr, batch, row_len, max_kv, divisor, block_cols, folded,
+                        slo_h, slo_r, sll_s, sll_h, prefix_ptr, batch, row_len, max_kv, slots, block_cols, folded,
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                         SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr,
                         LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr, BALANCED: tl.constexpr,
-                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
         partials are too many for the last split to combine them, `fold_combine` is off, or the
         library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too. BALANCED: a balanced
@@ -973,7 +1006,7 @@ if triton is not None:
         live = r < rows
         if BALANCED:
             rb = tl.arange(0, BATCH_P)
-            firsts, counts, _ = _row_items(prefix_ptr, batch, block_cols, max_kv, divisor, BLOCK_N, BATCH_P)
+            firsts, counts, _ = _row_items(prefix_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P, SEARCH)
             b = r // row_len
             item0 = _rows_value(firsts, rb, b)
             n_items = _rows_value(counts, rb, b)
