@@ -134,7 +134,7 @@ def test_a_long_row_among_short_ones_gets_the_programs(prefixes, plan, fold):
     every row equals float64 attention, its partials merged by its last item (fold) or by the
     combine launch."""
     m, batch = 5, len(prefixes)
-    config = AttentionConfig(fold_combine=fold)
+    config = AttentionConfig(fold_combine=fold, balance_rows=True)  # by default from BALANCE_MIN_KEYS keys on
     q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=21, strided=True)
     block_m, slots = tree_attention.plan_rows(m * 2, 2, batch, row_slots, tree_attention._sm_count(q.device), config)
     assert slots == 8
@@ -160,11 +160,41 @@ def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
     assert [x[1] for x in tree_attention.row_items([p + m for p in prefixes], 64, 20)] == [12, 1, 1]
     blk = block_masks(m, 3, "tree", seed=5)
     got = batched_masked_attention(q, k, v, blk, 0.25, torch.tensor(prefixes, device=DEVICE), first,
-                                   max_kv=row_slots, config=AttentionConfig(block_m=64), splits=20)
+                                   max_kv=row_slots, config=AttentionConfig(block_m=64, balance_rows=True), splits=20)
     assert len(launches) == 1 and launches[0][7] == 8  # rows_of: rows of up to 8 items folded
     for b in range(3):
         want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
         torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+
+
+def test_by_default_the_split_follows_the_rows_from_a_long_bound_on():
+    """balance_rows None (the default): rows split alike under BALANCE_MIN_KEYS keys of max_kv,
+    by their own keys from it on (the kernel's grid: R * splits programs a row block and KV head,
+    or slots + R)."""
+    grids = []
+    original = tree_attention._attention
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid[2])
+            return original[grid]
+
+    m, prefixes = 3, [40, 9]
+    q, k, v, first, _ = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=3)
+    blk = block_masks(m, 2, "all", seed=0)
+    prefix = torch.tensor(prefixes, device=DEVICE)
+    tree_attention._attention = Spy()
+    try:
+        for max_kv in (tree_attention.BALANCE_MIN_KEYS - 1, tree_attention.BALANCE_MIN_KEYS):
+            k_long = torch.cat([k, torch.zeros(max_kv, 2, 16, device=DEVICE)])  # room for the bound
+            v_long = torch.cat([v, torch.zeros(max_kv, 2, 16, device=DEVICE)])
+            got = batched_masked_attention(q, k_long, v_long, blk, 0.25, prefix, first, max_kv=max_kv, splits=3)
+            for b in range(2):
+                want = row_reference(q, k, v, blk, prefixes[b], int(first[b]), b, m, 0.25)
+                torch.testing.assert_close(got[b * m:(b + 1) * m].double(), want.to(got.device), atol=2e-5, rtol=1e-4)
+    finally:
+        tree_attention._attention = original
+    assert grids == [2 * 3, 3 + 2]
 
 
 def test_row_items_cover_each_rows_keys_once():

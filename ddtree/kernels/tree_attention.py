@@ -28,8 +28,9 @@ items of one length (`row_items`), so that a long row among short ones is spread
 it would be alone, where a split planned alike for every row over the bucket's bound left it to a
 few programs. The items' count follows (R, M, heads, a static bound on a row's keys `max_kv`)
 alone, not the prefix lengths, so one CUDA graph serves a batch bucket; an item past the batch's
-last reads nothing. (`balance_rows` off: every row split alike over max_kv, a
-split past its row's keys reading nothing and counting in the combine as seeing nothing.)
+last reads nothing. (Below BALANCE_MIN_KEYS, or with `balance_rows` off: every row split alike
+over max_kv, a split past its row's keys reading nothing and counting in the combine as seeing
+nothing.)
 
 Measured on an H200 at Qwen3-8B shape: 0.99 -> 0.22 ms of attention per one-token forward (the
 combine folded in); at 257 tokens 38.7 us per layer for PyTorch's path, 24.3 us here
@@ -81,6 +82,7 @@ except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTor
 # (block_m x splits): H200, Qwen3-8B heads, per layer: N = 1 (16 x 12) 8.6 -> 5.9 us, N = 257
 # (64 x 2) 25.3 -> 24.3; but N = 17 (64 x 12) 13.5 -> 22.7, one program reading them all.
 FOLD_MAX_PARTIALS = 512
+BALANCE_MIN_KEYS = 4096  # a batch's bound on a row's keys from which its split follows the rows' keys
 # Arrival counters: a split launch combines in the kernel only while its (row block, KV head, batch
 # row) tiles are at most this many (else a combine kernel does it). Automatic splitting stops at a
 # few programs per SM, far below it; forced splits or many batch rows can pass it.
@@ -131,8 +133,11 @@ class AttentionConfig:
     combine_tiled: bool | None = None
     # A batch's key splits follow its rows' key counts, read on the device (`plan_rows`, `row_items`):
     # a row gets programs in proportion to its keys. False: every row gets the same splits, planned
-    # over max_kv, so one long row among short ones runs on a few programs alone.
-    balance_rows: bool = True
+    # over max_kv, so one long row among short ones runs on a few programs alone. None: where max_kv
+    # is BALANCE_MIN_KEYS or more. Each program works the plan out before its first key tile (a
+    # binary search over the rows' tiles, about 2 x 11 reductions of R values at 32k keys), a cost
+    # not worth it where no row can be long.
+    balance_rows: bool | None = None
 
 
 DEFAULT = AttentionConfig()
@@ -587,7 +592,8 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     key_blocks = triton.cdiv(max_kv, block_n)
     # A batch's prefix form splits each row's keys by its share of the batch's (`plan_rows`);
     # `splits` then sets the work items (slots).
-    balanced = batched and prefix and batch > 1 and library is None and config.balance_rows
+    balance = config.balance_rows if config.balance_rows is not None else max_kv >= BALANCE_MIN_KEYS
+    balanced = batched and prefix and batch > 1 and library is None and balance
     search = key_blocks.bit_length() + 1  # binary-search steps for a row's chunk (`_row_items`)
     if balanced:
         block_m, slots = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
