@@ -229,17 +229,17 @@ def test_row_items_cover_each_rows_keys_once():
 
 
 def test_row_items_on_the_device_match_the_host():
-    """`_row_items` (each program's plan, on the device) equals `row_items` (the host's mirror that
-    the tests and benchmarks read), keys capped at max_kv (a padded row's unused block columns may
+    """`_row_items` (each program's plan, on the device, its searches between narrower bounds)
+    equals `row_items` (the host's mirror that the tests and benchmarks read), keys capped at max_kv (a padded row's unused block columns may
     pass it: the fourth case's second row), rows past the batch at zero."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def plan_kernel(prefix_ptr, out_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr,
-                    BATCH_P: tl.constexpr, SEARCH: tl.constexpr):
+                    BATCH_P: tl.constexpr):
         firsts, counts, spans = tree_attention._row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N,
-                                                          BATCH_P, SEARCH)
+                                                          BATCH_P)
         rb = tl.arange(0, BATCH_P)
         tl.store(out_ptr + rb * 3, firsts)
         tl.store(out_ptr + rb * 3 + 1, counts)
@@ -251,7 +251,7 @@ def test_row_items_on_the_device_match_the_host():
         batch_p = triton.next_power_of_2(len(prefixes))
         out = torch.full((batch_p, 3), -1, dtype=torch.int32, device=DEVICE)
         plan_kernel[(1,)](torch.tensor(prefixes, device=DEVICE), out, len(prefixes), cols, max_keys, slots,
-                          BLOCK_N=64, BATCH_P=batch_p, SEARCH=(-(-max_keys // 64)).bit_length() + 1)
+                          BLOCK_N=64, BATCH_P=batch_p)
         want = tree_attention.row_items([min(p + cols, max_keys) for p in prefixes], 64, slots)
         assert out[:len(prefixes)].tolist() == [list(x) for x in want]
         assert not out[len(prefixes):, 1:].any()

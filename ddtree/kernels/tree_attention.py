@@ -134,9 +134,9 @@ class AttentionConfig:
     # A batch's key splits follow its rows' key counts, read on the device (`plan_rows`, `row_items`):
     # a row gets programs in proportion to its keys. False: every row gets the same splits, planned
     # over max_kv, so one long row among short ones runs on a few programs alone. None: where max_kv
-    # is BALANCE_MIN_KEYS or more. Each program works the plan out before its first key tile (a
-    # binary search over the rows' tiles, about 2 x 11 reductions of R values at 32k keys), a cost
-    # not worth it where no row can be long.
+    # is BALANCE_MIN_KEYS or more. Each program works the plan out before its first key tile (two
+    # binary searches over the rows' tiles, 4 to 17 reductions of R values in all for 4 to 32 rows
+    # at 32k keys, as planned for an H200), a cost not worth it where no row can be long.
     balance_rows: bool | None = None
 
 
@@ -594,7 +594,6 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     # `splits` then sets the work items (slots).
     balance = config.balance_rows if config.balance_rows is not None else max_kv >= BALANCE_MIN_KEYS
     balanced = batched and prefix and batch > 1 and library is None and balance
-    search = key_blocks.bit_length() + 1  # binary-search steps for a row's chunk (`_row_items`)
     if balanced:
         block_m, slots = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
         slots = slots if splits is None else max(1, min(splits, batch * key_blocks))
@@ -637,12 +636,11 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
                      out.stride(0), out.stride(1), library[2] if library is not None and library[2] is not None else 0,
                      GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, FOLD=fold, PREFIX=prefix,
                      PREFIX_DONE=library is not None and library[2] is None,
-                     BATCHED=batched, BALANCED=balanced, BATCH_P=batch_p, SEARCH=search if balanced else 1,
-                     SPLITS_P=splits_p if fold else 1,
+                     BATCHED=batched, BALANCED=balanced, BATCH_P=batch_p, SPLITS_P=splits_p if fold else 1,
                      UNROLL=unroll if fold else 1, PRECISION=precision, LOOP_WHILE=_INTERPRETED,
                      num_warps=config.num_warps, num_stages=config.num_stages)
     if split and splits > fold_items:
-        rows_of = (ranges, batch, rows, max_kv, slots, block_cols, block_n, fold_items, search) if balanced else None
+        rows_of = (ranges, batch, rows, max_kv, slots, block_cols, block_n, fold_items) if balanced else None
         _launch_combine(part_o, part_ml, out, batch * rows, hkv, group, d, splits, config, library, rows_of)
     return out.view(n, hq * d)
 
@@ -653,7 +651,7 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
     split at a time, the library's partials (`_launch`) merged too (splits 0: the library's alone).
     Programs (row block, KV head, head-dim chunk). rows_of: (prefix lengths, batch, rows a batch
-    row, max_kv, slots, block columns, BLOCK_N, fold_items, SEARCH) of a balanced split (`plan_rows`), whose
+    row, max_kv, slots, block columns, BLOCK_N, fold_items) of a balanced split (`plan_rows`), whose
     partials each row finds on the device (splits: the most work items a row has), rows of at most
     fold_items items having been combined in the attention launch."""
     combine_d = min(config.combine_block_d, d)
@@ -672,8 +670,8 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
     else:
         combine_m = 16
         unroll = max(1, min(splits_p, config.combine_loads // (combine_m * combine_d)))
-        prefix_len, batch, row_len, max_kv, slots, block_cols, block_n, folded, search = (
-            rows_of or (out, 1, rows, 0, splits, 0, 1, 0, 1))
+        prefix_len, batch, row_len, max_kv, slots, block_cols, block_n, folded = (
+            rows_of or (out, 1, rows, 0, splits, 0, 1, 0))
         _combine_kernel[(triton.cdiv(rows, combine_m), hkv, d // combine_d)](
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
             *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
@@ -681,7 +679,7 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
             slots, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
             UNROLL=unroll, LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits,
             LIB_P=triton.next_power_of_2(max(lib_splits, 1)), BALANCED=rows_of is not None,
-            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, SEARCH=search, num_warps=4)
+            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
 
 
 if triton is not None:
@@ -732,12 +730,16 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _chunk_within(tiles, items, SEARCH: tl.constexpr):
-        """The smallest chunk (key tiles an item) that cuts rows of these tiles [BATCH_P] into at most
-        `items` (a binary search of SEARCH steps, enough for the longest row; at most its tiles)."""
+    def _chunk_within(tiles, total, rows, items):
+        """The smallest chunk (key tiles an item) that cuts `rows` rows of these tiles [BATCH_P]
+        (`total` in all) into at most `items`, by a binary search between bounds that hold it: at
+        least total / items, and at most the longest row, and total / (items - rows) where items >
+        rows (each row's items are at most its tiles / chunk + 1). (`row_items` searches from 1 to
+        the longest row: the answer is the same, the least chunk that fits.)"""
         hi = tl.max(tiles, 0)  # one item a row
-        lo = hi * 0 + 1
-        for _ in tl.static_range(SEARCH):
+        hi = tl.where(items > rows, tl.minimum(hi, (total + items - rows - 1) // tl.maximum(items - rows, 1)), hi)
+        lo = tl.minimum(tl.maximum((total + items - 1) // items, 1), hi)
+        while lo < hi:
             mid = (lo + hi) // 2
             fits = tl.sum((tiles + mid - 1) // mid, 0) <= items
             hi = tl.where(fits, mid, hi)
@@ -745,8 +747,7 @@ if triton is not None:
         return hi
 
     @triton.jit
-    def _row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr, BATCH_P: tl.constexpr,
-                   SEARCH: tl.constexpr):
+    def _row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr, BATCH_P: tl.constexpr):
         """The balanced split of a batch's rows (`row_items` on the host, which says how the chunk is
         chosen): row b's keys (its prefix and block columns, at most max_keys, at least one tile)
         cut into items of `span` tiles -> (first item, items, span) [BATCH_P], zeros past `batch`."""
@@ -754,10 +755,11 @@ if triton is not None:
         real = rb < batch
         keys = tl.minimum(tl.load(prefix_ptr + rb, mask=real, other=0).to(tl.int32) + block_cols, max_keys)
         tiles = tl.where(real, tl.maximum((keys + BLOCK_N - 1) // BLOCK_N, 1), 0)
-        chunk = _chunk_within(tiles, slots + batch, SEARCH)
+        total = tl.sum(tiles, 0)
+        chunk = _chunk_within(tiles, total, batch, slots + batch)
         if batch <= slots:
-            one_wave = _chunk_within(tiles, slots, SEARCH)
-            chunk = tl.where(one_wave * slots <= tl.sum(tiles, 0) + chunk * slots, one_wave, chunk)
+            one_wave = _chunk_within(tiles, total, batch, slots)
+            chunk = tl.where(one_wave * slots <= total + chunk * slots, one_wave, chunk)
         items = (tiles + chunk - 1) // chunk
         span = (tiles + tl.maximum(items, 1) - 1) // tl.maximum(items, 1)
         items = (tiles + tl.maximum(span, 1) - 1) // tl.maximum(span, 1)  # evened out, none empty
@@ -779,7 +781,7 @@ if triton is not None:
                    sq_n, sq_h, sk_t, sk_h, sv_t, sv_h, sm_n, so_n, so_h, key0, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
                    PREFIX: tl.constexpr, BATCHED: tl.constexpr, BALANCED: tl.constexpr, BATCH_P: tl.constexpr,
-                   SEARCH: tl.constexpr, SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
+                   SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, PRECISION: tl.constexpr,
                    LOOP_WHILE: tl.constexpr, PREFIX_DONE: tl.constexpr = False):
         """Program (row block, KV head h, split s): rows r = token * GROUP + g (query head h * GROUP + g)
         against keys [s * keys_per_split, ...), less the key blocks none of its rows sees. Writes the
@@ -807,8 +809,7 @@ if triton is not None:
         if BATCHED:
             if BALANCED:
                 rb = tl.arange(0, BATCH_P)
-                firsts, counts, spans = _row_items(range_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P,
-                                                   SEARCH)
+                firsts, counts, spans = _row_items(range_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P)
                 item = tl.program_id(2)
                 b = tl.sum((firsts + counts <= item).to(tl.int32), 0)  # rows whose items all come before
                 valid = b < batch
@@ -999,7 +1000,7 @@ if triton is not None:
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                         SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr,
                         LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr, BALANCED: tl.constexpr,
-                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH: tl.constexpr):
+                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
         partials are too many for the last split to combine them, `fold_combine` is off, or the
         library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too. BALANCED: a balanced
@@ -1012,7 +1013,7 @@ if triton is not None:
         live = r < rows
         if BALANCED:
             rb = tl.arange(0, BATCH_P)
-            firsts, counts, _ = _row_items(prefix_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P, SEARCH)
+            firsts, counts, _ = _row_items(prefix_ptr, batch, block_cols, max_kv, slots, BLOCK_N, BATCH_P)
             b = r // row_len
             item0 = _rows_value(firsts, rb, b)
             n_items = _rows_value(counts, rb, b)
