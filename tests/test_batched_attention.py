@@ -230,8 +230,9 @@ def test_row_items_cover_each_rows_keys_once():
 
 def test_row_items_on_the_device_match_the_host():
     """`_row_items` (each program's plan, on the device, its searches between narrower bounds)
-    equals `row_items` (the host's mirror that the tests and benchmarks read), keys capped at max_kv (a padded row's unused block columns may
-    pass it: the fourth case's second row), rows past the batch at zero."""
+    equals `row_items` (the host's mirror that the tests and benchmarks read), keys capped at
+    max_kv (a padded row's unused block columns may pass it: the fourth case's second row), rows
+    past the batch at zero."""
     import triton
     import triton.language as tl
 
