@@ -13,7 +13,9 @@ max_kv = the longest row's keys (what `attend` passes in an eager round), and wi
 row's slot count (what one graph per batch bucket would pass), that last one also with every row
 split alike over max_kv (`balance_rows` off, `batched_slots_uniform_us`) instead of by its share of
 the batch's keys, beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured
-copy bandwidth and bf16 matmul rate.
+copy bandwidth and bf16 matmul rate. Each row also gives the key split each way: the longest
+row's programs a KV head x key tiles each (`plan`). `--plan-only` prints those alone, for
+`--sms` SMs, without a GPU.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention, tiling
+from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention, plan, plan_rows, row_items, tiling
 from ddtree.tree import build_tree
 
 MIXED = (100, 3000, 17, 40000)
@@ -46,6 +48,19 @@ def contexts_of(kind: str, rows: int) -> list[int]:
 def call_us(fn) -> float:
     graph, _ = capture_graph(lambda: [fn() for _ in range(10)])
     return median_replay_ms(graph, 20) * 100
+
+
+def split_plans(contexts: list[int], n: int, row_slots: int, group: int, hkv: int, d: int, sms: int) -> dict:
+    """The longest row's key split, [programs a KV head, key tiles each], as the batched launch
+    plans it over max_kv = row_slots: alike for every row (uniform) and by the rows' keys
+    (balanced, what it takes from BALANCE_MIN_KEYS on)."""
+    rows, r, longest = n * group, len(contexts), max(contexts) + n
+    config = tiling(rows, row_slots, d, r)
+    _, splits = plan(rows, hkv * r, row_slots, sms, config)
+    per_split = -(-(-(-row_slots // splits)) // config.block_n) * config.block_n
+    _, slots = plan_rows(rows, hkv, r, row_slots, sms, config)
+    items = row_items([c + n for c in contexts], config.block_n, slots)[contexts.index(max(contexts))]
+    return {"uniform": [-(-longest // per_split), per_split // config.block_n], "balanced": list(items[1:])}
 
 
 def case(r: int, n: int, contexts: list[int], row_slots: int, hq: int, hkv: int, d: int):
@@ -71,12 +86,22 @@ def main() -> None:
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
     ap.add_argument("--row-slots", type=int, default=None)
     ap.add_argument("--output", default=None)
+    ap.add_argument("--plan-only", action="store_true", help="print each case's key splits alone (no GPU)")
+    ap.add_argument("--sms", type=int, default=132, help="with --plan-only: the GPU's SMs (an H200's)")
     args = ap.parse_args()
     hq, hkv, d = (int(x) for x in args.heads.split(","))
+    cases = list(itertools.product(args.contexts.split(","), map(int, args.rows.split(",")),
+                                   map(int, args.tokens.split(","))))
+    if args.plan_only:
+        for ctx, r, n in cases:
+            contexts = contexts_of(ctx, r)
+            plans = split_plans(contexts, n, args.row_slots or max(contexts) + n + 64, hq // hkv, hkv, d, args.sms)
+            print(json.dumps({"contexts": ctx, "rows": r, "tokens": n, **plans}))
+        return
     ceilings = measure_ceilings(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for ctx, r, n in itertools.product(args.contexts.split(","), map(int, args.rows.split(",")),
-                                       map(int, args.tokens.split(","))):
+    for ctx, r, n in cases:
         contexts = contexts_of(ctx, r)
         row_slots = args.row_slots or max(contexts) + n + 64
         q, k, v, block, prefix, first = case(r, n, contexts, row_slots, hq, hkv, d)
@@ -92,6 +117,7 @@ def main() -> None:
         kv_bytes = sum(2 * (c + n) * hkv * d * 2 for c in contexts)
         flops = sum(4 * n * (c + n) * d * hq for c in contexts)
         row = {"contexts": contexts, "rows": r, "tokens": n, "row_slots": row_slots,
+               "split": split_plans(contexts, n, row_slots, hq // hkv, hkv, d, sms),
                "floor_us": max(kv_bytes / ceilings["bandwidth_Bps"], flops / ceilings["bf16_flops"]) * 1e6,
                "loop_us": call_us(loop),
                "batched_tight_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,

@@ -477,3 +477,19 @@ def test_qwen3_heads_bf16_and_graph():
     graph.replay()
     check(out, moved)
     assert torch.equal(out, batched_masked_attention(q, k, v, blk, 128**-0.5, prefix, first, max_kv=row_slots))
+
+
+def test_the_benchmark_prints_its_splits_without_a_gpu(monkeypatch, capsys):
+    """`benchmarks/batched_attention.py --plan-only`: each case's key split both ways for an H200's
+    132 SMs, as benchmarks/README.md gives them: the skewed batch's long row spread, equal rows alike."""
+    import json
+    import sys
+
+    from benchmarks import batched_attention
+
+    monkeypatch.setattr(sys, "argv", ["batched_attention", "--plan-only", "--rows", "16", "--tokens", "17",
+                                      "--contexts", "skewed,32768"])
+    batched_attention.main()
+    skewed, equal = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert skewed["uniform"] == [4, 129] and skewed["balanced"] == [47, 11]
+    assert equal["uniform"] == equal["balanced"] == [4, 129]
