@@ -19,10 +19,11 @@ in FlashAttention-3's form"). Here:
   and its partner releases each slot for both (`SKIP_IDLE`, a tiling entry, on unless set False);
 - with two consumers at head_dim <= 128, the rows past the last whole 128-row block, where they
   are at most 16 (`tail_rows`: 65 tokens x 4 query heads leave 4 of 260), go to a fourth
-  partition instead of a row block of their own: a tail warp group in one program of each KV head
-  and split, its products transposed (s^T = k . q^T, o^T += v^T . p^T) so that those few rows are
-  the MMA's N (8 or 16) and not 64 rows of padding; a row block of 4 real rows had cost as much
-  as a whole one, a third of the programs at 65 tokens.
+  partition instead of a row block of their own: a tail warp group, its products transposed
+  (s^T = k . q^T, o^T += v^T . p^T) so that those few rows are the MMA's N (8 or 16) and not 64
+  rows of padding (a row block of 4 real rows had cost as much as a whole one, a third of the
+  programs at 65 tokens). Each row-block program's tail warp group takes its share of the split's
+  key tiles, and the last of a KV head's programs to finish merges their partials (`_tail`).
 
 Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
 [P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
@@ -214,24 +215,82 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
 
 
 @gluon.jit
-def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, duty, row0,
-          rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride,
-          qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          TAIL: gl.constexpr):
-    """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL),
-    in the one program of each KV head and split that has the duty, else only releasing each slot."""
-    if duty != 0:
-        _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                     row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                     mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
-    else:
-        for j in range(n_tiles + n_block):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=1)
+def _release(k_ready, k_empty, v_ready, v_empty, lo, hi, STAGES: gl.constexpr):
+    """Release the slots of tiles [lo, hi) as they land, reading nothing."""
+    for j in range(lo, hi):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
+def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, part_o_ptr,
+          part_ml_ptr, count_ptr, row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block,
+          block_cols, mask_ptr, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, TAIL: gl.constexpr):
+    """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL).
+
+    Its products run at most at the pace of one small MMA's latency a tile, slower than the
+    consumers', and it holds the ring's slots as they do: where one program took all of a split's
+    tiles for the tail, that program set the kernel's time (65 tokens, 8B heads over 32k keys:
+    72.8 against 61.8 us at 64 tokens, which have no tail). So the split's tiles are shared out:
+    each of the KV head's row-block programs takes a run of them for the tail ([lo, hi)) and
+    releases the others' slots unread; each writes its unnormalised partial (o^T, the running
+    maximum, the sum) to part_o / part_ml, and the last of them to arrive (count_ptr, one counter
+    per KV head and split, left at zero for the next launch) merges them into the split's output."""
+    parts = gl.num_programs(0)
+    pid_m = gl.program_id(0)
+    total = n_tiles + n_block
+    per = gl.cdiv(total, parts)
+    lo = gl.minimum(pid_m * per, total)
+    hi = gl.minimum(lo + per, total)
+    _release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)
+    ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
+    if lo < hi:
+        acc, m_i, l_i = _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, lo,
+                                     hi, row0, rows, head, stride_qt, stride_qh, start, end, n_tiles, block_cols,
+                                     mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
+    else:  # no tile of its own (a split of fewer tiles than programs): an empty partial
+        acc = gl.zeros([D, TAIL], gl.float32, ST)
+        m_i = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
+        l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
+    _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
+
+    # This program's partial, then the arrival count; the last to arrive merges them all.
+    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, KV head)
+    entries = gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
+    at = (group * parts + pid_m) * TAIL + entries
+    gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
+    gl.store(part_ml_ptr + at * 2, m_i)
+    gl.store(part_ml_ptr + at * 2 + 1, l_i)
+    # Every thread's stores are issued before one thread releases them with the arrival count (a
+    # barrier of this warp group, then a GPU-scope acquire-release atomic: a semaphore).
+    gl.thread_barrier()
+    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        gl.store(count_ptr + group, 0)  # zero again for the next launch
+        first = group * parts * TAIL + entries
+        m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2))
+        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+        o = gl.zeros([D, TAIL], gl.float32, ST)
+        total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            at_p = first + p * TAIL
+            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2) - m_safe)  # 0 for an empty partial
+            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1)
+            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None])
+        rws = row0 + entries
+        out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
+        gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
+                 mask=(rws[None, :] < rows) & (dims[:, None] < D))
+        lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
+        gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
 
 
 @gluon.jit
@@ -251,30 +310,33 @@ def _tail_seen(s, j, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws
 
 
 @gluon.jit
-def _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0,
-                 rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr,
-                 mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, TAIL: gl.constexpr):
-    """Rows [row0, row0 + TAIL) (those below `rows` real) over the split's keys and, in the first
-    split, the block's columns, with every product transposed so that the few rows are the MMA's N
-    (a multiple of 8) instead of 64 rows of which most are padding: s^T [BLOCK_N, TAIL] = k . q^T,
-    the softmax down each column, o^T [D, TAIL] += v^T . p^T (v^T read from its slot as is, p^T
-    through shared memory). As the consumers do, tile j's k . q^T is issued before tile j - 1's
-    v^T . p^T and its softmax runs while that product does; the softmax's sums are kept per entry
-    and added down the columns once at the end (one cross-warp reduction a tile, the maximum)."""
+def _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, lo, hi, row0, rows,
+                 head, stride_qt, stride_qh, start, end, n_tiles, block_cols, mask_ptr, mask_stride, qk_scale,
+                 GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 TAIL: gl.constexpr):
+    """Rows [row0, row0 + TAIL) (those below `rows` real) over tiles [lo, hi) of the split's keys
+    and, in the first split, the block's columns (tiles from n_tiles on), with every product
+    transposed so that the few rows are the MMA's N (a multiple of 8) instead of 64 rows of which
+    most are padding: s^T [BLOCK_N, TAIL] = k . q^T, the softmax down each column, o^T [D, TAIL] +=
+    v^T . p^T (v^T read from its slot as is, p^T through shared memory). As the consumers do, tile
+    j's k . q^T is issued before tile j - 1's v^T . p^T and its softmax runs while that product
+    does; the softmax's sums are kept per entry and added down the columns once at the end (one
+    cross-warp reduction a tile, the maximum). Releases the slots of [lo, hi); -> (o^T unnormalised
+    [D, TAIL], running maximum (scaled, base 2) [TAIL], softmax sum [TAIL])."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
 
     _stage_rows(q_ptr, qt_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, TAIL)  # q [TAIL, D], as the B^T
     rws = row0 + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
 
-    # Tile 0: k . q^T and its softmax; its v^T . p^T is issued with tile 1's k . q^T.
+    # Tile lo: k . q^T and its softmax; its v^T . p^T is issued with tile lo + 1's k . q^T.
     s_zero = gl.zeros([BLOCK_N, TAIL], gl.float32, ST)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(k_ring.index(0), qt_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    first = lo % STAGES
+    mbarrier.wait(k_ready.index(first), (lo // STAGES) & 1)
+    s = warpgroup_mma(k_ring.index(first), qt_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    s = _tail_seen(s, 0, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
+    mbarrier.arrive(k_empty.index(first), count=1)
+    s = _tail_seen(s, lo, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
     m_i = gl.max(s, axis=0) * qk_scale
     p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
     sums = p  # [BLOCK_N, TAIL]: each entry's share of its column's softmax denominator
@@ -282,7 +344,7 @@ def _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_read
     fence_async_shared()
     acc = gl.zeros([D, TAIL], gl.float32, ST)
 
-    for j in range(1, n_tiles + n_block):
+    for j in range(lo + 1, hi):
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -304,23 +366,17 @@ def _attend_tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_read
         pt_smem.store(gl.permute(p.to(dtype), [1, 0]))  # that product has read p^T too
         fence_async_shared()
 
-    last = (n_tiles + n_block - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles + n_block - 1) // STAGES) & 1)
+    last = (hi - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((hi - 1) // STAGES) & 1)
     acc = warpgroup_mma(v_ring.index(last).permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-
-    l_i = gl.sum(sums, axis=0)
-    out = acc * gl.where(l_i > 0.0, 1.0 / l_i, 0.0)[None, :]
-    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
-    gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(dtype),
-             mask=(rws[None, :] < rows) & (dims[:, None] < D))
-    lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
-    gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
+    mbarrier.arrive(v_empty.index(last), count=1)  # the tiles past hi need the slot
+    return acc, m_i, gl.sum(sums, axis=0)
 
 
 @gluon.jit
-def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, n_tokens, stride_qt, stride_qh,
-                   keys_per_split, block_cols, mask_stride, qk_scale, full_rows, GROUP: gl.constexpr,
+def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, part_o_ptr, part_ml_ptr, count_ptr,
+                   n_tokens, stride_qt, stride_qh, keys_per_split, block_cols, mask_stride, qk_scale, full_rows, GROUP: gl.constexpr,
                    D: gl.constexpr, CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    TAIL_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -364,8 +420,6 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
         qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
         pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([TAIL, BLOCK_N], dtype))
-        # One program of each KV head and split takes the tail, the splits spread over the row blocks.
-        duty = (pid_m == split % gl.num_programs(0)).to(gl.int32)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
@@ -374,8 +428,9 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
                          mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
             (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                     duty, full_rows, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block,
-                     block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)),
+                     part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
+                     end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
+                     TAIL)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
                        n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
@@ -463,6 +518,22 @@ def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype))
 
 
+_TAIL_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tail_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 zeros, at least `count` of them, one per (split, KV head) of a launch with a tail warp
+    group: how many row-block programs have written their tail partial (each launch leaves them at
+    zero). Made or grown on an eager call (a graph's capture is preceded by one); launches on one
+    stream at a time."""
+    have = _TAIL_COUNTS.get(device)
+    if have is None or have.numel() < count:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the prefix kernel's first call with a tail at this size must run before graph capture")
+        _TAIL_COUNTS[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return _TAIL_COUNTS[device]
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, max_keys: int,
                      splits: int, scale: float, config: dict | None = None,
                      block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,7 +574,14 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     tail, full_rows = tail_rows(t, rows, d)
     maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
     grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits)
-    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, n, q.stride(0), q.stride(1), keys_per_split,
+    if tail:  # each row-block program's partial for the tail rows, merged by the last to finish
+        part_o = torch.empty(splits * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
+        counts = _tail_counters(q.device, splits * hkv)
+    else:  # never read
+        part_o, part_ml, counts = lse, lse, prefix_len
+    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, part_o, part_ml, counts, n, q.stride(0),
+                         q.stride(1), keys_per_split,
                          block_cols, mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs, num_warps=4,
