@@ -49,9 +49,9 @@ def main() -> int:
         q_smem, kv_smem = shared_layouts(head_dim, dtype, 64, t["BLOCK_N"])
         descriptor = f"tensordesc<{dtype_name}[{t['BLOCK_N']}, {head_dim}],{kv_smem!r}>"
         signature = {"q_ptr": f"*{dtype_name}", "k_desc": descriptor, "v_desc": descriptor, "o_ptr": f"*{dtype_name}",
-                     "lse_ptr": "*fp32", "prefix_ptr": "*i32", "mask_ptr": "*u8", "part_o_ptr": "*fp32",
+                     "lse_ptr": "*fp32", "prefix_ptr": "*i64", "mask_ptr": "*u8", "part_o_ptr": "*fp32",
                      "part_ml_ptr": "*fp32", "count_ptr": "*i32", "n_tokens": "i32",
-                     "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "block_cols": "i32",
+                     "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "lead": "i32", "block_cols": "i32",
                      "mask_stride": "i32", "qk_scale": "fp32", "full_rows": "i32"}
         tail = t.get("TAIL", 0)
         maxnreg, consumer_regs, tail_regs = registers(t["CONSUMERS"], t["PER_SM"], tail > 0)

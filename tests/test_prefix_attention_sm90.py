@@ -86,11 +86,13 @@ def test_merged_splits_equal_whole_softmax():
     torch.testing.assert_close(merged, whole[0], atol=2e-2, rtol=0)
 
 
-def test_graph_replay_follows_the_prefix_length():
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_graph_replay_follows_the_prefix_length(dtype):
+    """The prefix length read on the device at each replay, as int32 or as the engine keeps it (int64)."""
     heads = HEADS[0]
     q, k, v = inputs(65, heads, 20000)
     scale = 128 ** -0.5
-    prefix = torch.tensor(16000, dtype=torch.int32, device="cuda")
+    prefix = torch.tensor(16000, dtype=dtype, device="cuda")
     prefix_attention(q, k, v, prefix, 20000, 8, scale)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -101,6 +103,41 @@ def test_graph_replay_follows_the_prefix_length():
         check(out, reference(q, k, v, length, 20000, 8, scale))
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["dependent-launch", "after-the-write"])
+def test_the_block_written_just_before_is_the_one_read(pdl):
+    """The engine's order: the layer's KV write (which lets the next launch start early), then the
+    kernel over the prefix and the tree's block, launched as a programmatic dependent launch (or
+    not): eagerly and replayed as a graph after new keys, values and queries are in place, the
+    block's keys and values are those just written and the queries the new ones."""
+    from ddtree.kernels.kv_write import write_kv
+
+    hq, hkv, d = HEADS[0]
+    n, context = 65, 32768
+    q, k, v = inputs(n, HEADS[0], context + n + 300)
+    new_k, new_v = torch.randn(2, n, hkv, d, device="cuda", dtype=q.dtype)
+    slots = context + torch.arange(n, device="cuda")
+    block = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    prefix = torch.tensor(context, device="cuda")
+    scale = d ** -0.5
+
+    def call():
+        write_kv(k, v, slots, new_k, new_v)
+        return prefix_attention(q, k, v, prefix, context + 300, 8, scale, {"PDL": pdl}, block=block)
+
+    check(call(), reference(q, k, v, context, context + 300, 8, scale, block=block))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for length in (context, context - 1000):
+        prefix.fill_(length)
+        slots.copy_(length + torch.arange(n, device="cuda"))
+        new_k.normal_()
+        new_v.normal_()
+        q.normal_()
+        graph.replay()
+        check(out, reference(q, k, v, length, context + 300, 8, scale, block=block))
+
+
 def test_refuses_what_it_cannot_run():
     q, k, v = inputs(4, (8, 2, 64), 128, dtype=torch.float32)
     with pytest.raises(ValueError, match="bf16/fp16"):
@@ -109,6 +146,8 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="bool mask"):
         prefix_attention(q, k, v, torch.tensor(64, dtype=torch.int32, device="cuda"), 64, 1, 0.125,
                          block=torch.ones(3, 4, dtype=torch.bool, device="cuda"))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        prefix_attention(q, k, v, torch.tensor(64.0, device="cuda"), 64, 1, 0.125)
 
 
 def masked_reference(q, k, v, block, prefix, scale):

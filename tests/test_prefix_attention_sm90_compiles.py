@@ -87,3 +87,22 @@ def test_splits_for_counts_a_tilings_programs():
     assert splits_for(two, rows=390, kv_heads=4, sms=132, max_keys=32768, head_dim=256) == plan_splits(16, 132, 32768)
     one = {"CONSUMERS": 1, "PER_SM": 2}
     assert splits_for(one, rows=68, kv_heads=8, sms=132, max_keys=32768, head_dim=128) == plan_splits(16, 264, 32768)
+
+
+@pytest.mark.parametrize("max_keys,splits,block_cols", [(33024, 8, 65), (33024, 2, 257), (33024, 11, 0), (5300, 4, 17),
+                                                        (4096, 16, 384), (100, 1, 17), (9000, 7, 129)])
+def test_split_keys_cover_the_prefix_once_and_even_out_the_first_split(max_keys, splits, block_cols):
+    """Every prefix key up to max_keys in exactly one split, splits on 128-key boundaries; the first
+    split gives up as many prefix keys as the block's columns take in 128-key tiles, so that no
+    split reads more tiles than a whole split's worth (the first split's used to read the block's on
+    top of them)."""
+    from ddtree.kernels.prefix_attention_sm90 import SPLIT_KEYS, split_keys
+
+    per, lead = split_keys(max_keys, splits, block_cols)
+    assert per % SPLIT_KEYS == 0 and lead % SPLIT_KEYS == 0 and 0 <= lead - block_cols < SPLIT_KEYS
+    bounds = [(max(s * per - lead, 0), min((s + 1) * per - lead, max_keys)) for s in range(splits)]
+    covered = [key for lo, hi in bounds for key in range(lo, hi)]
+    assert covered == list(range(max_keys))
+    tiles = [max(hi - lo, 0) // SPLIT_KEYS + (lead // SPLIT_KEYS if s == 0 else 0) for s, (lo, hi) in enumerate(bounds)]
+    assert max(tiles) <= per // SPLIT_KEYS  # the first split's block no longer runs past the others
+    assert split_keys(max_keys, splits) == (-(-(-(-max_keys // splits)) // SPLIT_KEYS) * SPLIT_KEYS, 0)

@@ -16,11 +16,14 @@ Triton's interpreter.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
 except ImportError:  # the CPU install has no Triton: `KVCache.write` uses index_copy_
     triton = None
 
@@ -30,6 +33,13 @@ def supported(cache_k: torch.Tensor, k: torch.Tensor) -> bool:
     and sources with a unit last stride."""
     return triton is not None and cache_k.stride(-1) == 1 and cache_k.stride(-2) == cache_k.shape[-1] \
         and k.stride(-1) == 1
+
+
+@functools.cache
+def _signals_dependents(device: torch.device) -> bool:
+    """Whether a launch on this GPU may let the next one start early (programmatic dependent launch,
+    sm_90 on): the layer's attention after the write is launched so (`prefix_attention_sm90.PDL`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -45,7 +55,8 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, 
         v = v.contiguous()
     _write_kv[(n, layers)](k, v, slots, cache_k, cache_v, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
                            v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-                           H=hkv, D=d, HP=triton.next_power_of_2(hkv), DP=triton.next_power_of_2(d), num_warps=4)
+                           H=hkv, D=d, HP=triton.next_power_of_2(hkv), DP=triton.next_power_of_2(d),
+                           SIGNAL=_signals_dependents(k.device), num_warps=4)
 
 
 def compact_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, order: torch.Tensor) -> None:
@@ -94,8 +105,12 @@ if triton is not None:
 
     @triton.jit
     def _write_kv(k_ptr, v_ptr, slots_ptr, ck_ptr, cv_ptr, sk_n, sk_l, sk_h, sv_n, sv_l, sv_h, sc_l, sc_t, sc_h,
-                  H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
-        """Program (i, layer): token i's [H, D] keys and values of that layer -> its cache rows at slots[i]."""
+                  H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, SIGNAL: tl.constexpr):
+        """Program (i, layer): token i's [H, D] keys and values of that layer -> its cache rows at slots[i].
+        SIGNAL: the next launch, where it is a programmatic dependent one, may start now (its
+        programs wait for this launch's end before they read what it writes)."""
+        if SIGNAL:
+            gdc_launch_dependents()
         i = tl.program_id(0)
         layer = tl.program_id(1)
         slot = tl.load(slots_ptr + i).to(tl.int64)

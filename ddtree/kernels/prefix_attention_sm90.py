@@ -32,7 +32,15 @@ cost more than its few products: benchmarks/README.md, "The tree's block in the 
 
 Rows are (token, query head of the KV head's group) pairs, row = token * group + g, as in
 `tree_attention`; grid (row blocks, KV heads, splits). Splits are planned over a static bound on P
-and read P on the device, so one CUDA graph serves every committed length.
+and read P on the device, so one CUDA graph serves every committed length; the first split gives
+up as many prefix keys as the block's columns take (`split_keys`), so that its programs end with
+the others'.
+
+The kernel is a programmatic dependent launch (`PDL`): its programs start while the launch before
+it (the layer's KV write, which signals for it) ends, and its loader copies the prefix's first
+tiles meanwhile; every partition waits for that launch's end (`_inputs_ready`) before it reads the
+queries or the block's keys, or writes anything. So P, which the loader reads at once, must not be
+written by the launch just before (the engine's is written by the previous round).
 
 TMA reads whole tiles: keys past P up to the cache's end are read and masked (their scores count for
 nothing), so the cache past P must hold finite values (the engine's cache is zero-initialised and
@@ -47,6 +55,7 @@ the attention: o [splits, Hkv, N * group, D] in q's dtype, each split's normalis
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -59,6 +68,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of tiles at every BLOCK_N
+# Launched as a programmatic dependent launch (its programs start while the launch before it ends:
+# `_inputs_ready`); DDTREE_PDL=0 (or a config's "PDL": False) launches it after that one has ended.
+PDL = os.environ.get("DDTREE_PDL", "1") == "1"
 TAIL_REGS_NEEDED = 56  # the tail warp group's registers (its tiles are [BLOCK_N or D, 8 or 16] float32)
 
 
@@ -101,19 +113,41 @@ def _loader(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 
             column, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key tile i, then value tile i, for the split's n_tiles from `start` and then the block's
     n_block from `prefix`, each into slot i % STAGES of its ring once the consumers have released
-    the slot's previous tile."""
-    for i in range(n_tiles + n_block):
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        key = gl.where(i < n_tiles, start + i * BLOCK_N, prefix + (i - n_tiles) * BLOCK_N)
-        # A fresh barrier counts as having completed the phase before phase 0: the first STAGES
-        # waits (on phase 1) pass at once.
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [key, column], k_ready.index(slot), k_ring.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [key, column], v_ready.index(slot), v_ring.index(slot))
+    the slot's previous tile. The prefix's tiles were written by earlier rounds, so they are copied
+    before the launch before this one has finished (`_inputs_ready`); the block's are this round's."""
+    for i in range(n_tiles):
+        _load_tile(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, i, start + i * BLOCK_N,
+                   column, STAGES)
+    _inputs_ready()
+    for i in range(n_tiles, n_tiles + n_block):
+        _load_tile(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, i,
+                   prefix + (i - n_tiles) * BLOCK_N, column, STAGES)
+
+
+@gluon.jit
+def _load_tile(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, i, key, column,
+               STAGES: gl.constexpr):
+    """Keys and values [key, key + BLOCK_N) of the KV head at `column` -> slot i % STAGES."""
+    slot = i % STAGES
+    phase = (i // STAGES) & 1
+    # A fresh barrier counts as having completed the phase before phase 0: the first STAGES waits
+    # (on phase 1) pass at once.
+    mbarrier.wait(k_empty.index(slot), phase ^ 1)
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [key, column], k_ready.index(slot), k_ring.index(slot))
+    mbarrier.wait(v_empty.index(slot), phase ^ 1)
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [key, column], v_ready.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def _inputs_ready():
+    """Wait until the launch before this one has finished and its writes are visible
+    (griddepcontrol.wait; at once where this launch is not a programmatic dependent one). The kernel
+    is launched as one (`PDL`) so that its programs start, and its loader copies the prefix's first
+    tiles, while that launch (the layer's KV write) ends: every partition waits here before it reads
+    what that launch writes (the queries, the block's keys and values) or writes anything itself."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -159,6 +193,7 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
     PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
 
+    _inputs_ready()
     # This warp group's query rows -> its slice of shared memory, the A operand of every q.k.
     _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, BLOCK_M)
 
@@ -241,6 +276,7 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
     releases the others' slots unread; each writes its unnormalised partial (o^T, the running
     maximum, the sum) to part_o / part_ml, and the last of them to arrive (count_ptr, one counter
     per KV head and split, left at zero for the next launch) merges them into the split's output."""
+    _inputs_ready()
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
     total = n_tiles + n_block
@@ -376,7 +412,8 @@ def _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_re
 
 @gluon.jit
 def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, part_o_ptr, part_ml_ptr, count_ptr,
-                   n_tokens, stride_qt, stride_qh, keys_per_split, block_cols, mask_stride, qk_scale, full_rows, GROUP: gl.constexpr,
+                   n_tokens, stride_qt, stride_qh, keys_per_split, lead, block_cols, mask_stride, qk_scale, full_rows,
+                   GROUP: gl.constexpr,
                    D: gl.constexpr, CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    TAIL_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -385,12 +422,13 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     split = gl.program_id(2)
     rows = n_tokens * GROUP
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    prefix = gl.load(prefix_ptr)
-    start = split * keys_per_split
-    end = gl.minimum(start + keys_per_split, prefix)
+    prefix = gl.load(prefix_ptr).to(gl.int32)  # int64 as the engine keeps it: no conversion launch a layer
+    # Split s takes prefix keys [s * keys_per_split - lead, (s + 1) * keys_per_split - lead) (`split_keys`):
+    # the first split's programs also read the block's columns [P, P + block_cols) (none: 0), so
+    # they give up `lead` prefix keys, as many as those columns' tiles, to end with the others.
+    start = gl.maximum(split * keys_per_split - lead, 0)
+    end = gl.minimum((split + 1) * keys_per_split - lead, prefix)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)  # one (masked) tile for a split past P
-    # The first split's programs also read the block's columns [P, P + block_cols) (none: 0): they
-    # are dispatched first, so the programs after them even out their longer run.
     n_block = gl.where(split == 0, gl.cdiv(block_cols, BLOCK_N), 0)
     base = (split * gl.num_programs(1) + head) * rows
     row0 = pid_m * CONSUMERS * 64
@@ -518,6 +556,16 @@ def shared_layouts(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int
             gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype))
 
 
+def split_keys(max_keys: int, splits: int, block_cols: int = 0) -> tuple[int, int]:
+    """(keys_per_split, lead): split s takes prefix keys [s * keys_per_split - lead, (s + 1) *
+    keys_per_split - lead) (clipped to [0, P)), whole SPLIT_KEYS; the first split, which also reads the
+    block's block_cols columns, gives up `lead` of its keys for them, so that every split's programs
+    read about as many tiles (H200, one wave at 32k: the first split's extra tiles had set the kernel's
+    end, a tile of 32 at 65 tokens and three of 128 at 257, at 8 and 2 splits)."""
+    lead = triton.cdiv(block_cols, SPLIT_KEYS) * SPLIT_KEYS
+    return triton.cdiv(triton.cdiv(max_keys + lead, splits), SPLIT_KEYS) * SPLIT_KEYS, lead
+
+
 _TAIL_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -538,7 +586,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                      splits: int, scale: float, config: dict | None = None,
                      block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
-    device scalar, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
+    or int64 device scalar, read in place, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
     the module docstring. bf16 / fp16 on sm_90; q's last dim and k's and v's last two contiguous, and
     k, v finite past the prefix. `config` overrides `tiling`'s entries (tests, benchmarks).
 
@@ -554,11 +602,10 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         raise ValueError("prefix_attention needs q's last dim and k's and v's last two dims contiguous")
     if any(x.stride(0) % 8 for x in (q, k, v)) or q.stride(1) % 8:
         raise ValueError("prefix_attention's 16-byte copies need strides that are multiples of 8 elements")
-    if prefix_len.dtype != torch.int32:
-        prefix_len = prefix_len.to(torch.int32)  # a device copy: graph-safe, the value read at replay
+    if prefix_len.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"prefix_attention's prefix_len is an int32 or int64 device scalar, got {prefix_len.dtype}")
     t = tiling(d, n * group, hkv, torch.cuda.get_device_properties(q.device).multi_processor_count) | (config or {})
     consumers, block_n = t["CONSUMERS"], t["BLOCK_N"]
-    keys_per_split = triton.cdiv(triton.cdiv(max_keys, splits), SPLIT_KEYS) * SPLIT_KEYS
     rows = n * group
     o = torch.empty(splits, hkv, rows, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(splits, hkv, rows, dtype=torch.float32, device=q.device)
@@ -571,6 +618,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         mask, block_cols = block.contiguous().view(torch.uint8), block.shape[1]
     else:  # never read (no program has block columns): empty, so no fill launch on every call
         mask, block_cols = torch.empty(1, 1, dtype=torch.uint8, device=q.device), 0
+    keys_per_split, lead = split_keys(max_keys, splits, block_cols if t.get("BALANCE", True) else 0)
     tail, full_rows = tail_rows(t, rows, d)
     maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
     grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits)
@@ -579,31 +627,29 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         part_ml = torch.empty(splits * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
         counts = _tail_counters(q.device, splits * hkv)
     else:  # never read
-        part_o, part_ml, counts = lse, lse, prefix_len
+        part_o, part_ml, counts = lse, lse, lse
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, part_o, part_ml, counts, n, q.stride(0),
-                         q.stride(1), keys_per_split,
-                         block_cols, mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
+                         q.stride(1), keys_per_split, lead, block_cols, mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs, num_warps=4,
-                         maxnreg=maxnreg)
+                         maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
     return o, lse
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, max_keys: int, splits: int,
-              scale: float, split_keys: int = SPLIT_KEYS,
-              block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_attention` in float64 with PyTorch, split for split, splits rounded to `split_keys`
-    keys as the kernel rounds them, the block's keys in the first split (for tests)."""
+              scale: float, block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_attention` in float64 with PyTorch, split for split, the splits' keys as `split_keys`
+    gives them, the block's keys in the first split (for tests)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     rows = n * group
     qf = q.double().view(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
-    keys_per_split = -(-(-(-max_keys // splits)) // split_keys) * split_keys
+    keys_per_split, lead = split_keys(max_keys, splits, 0 if block is None else block.shape[1])
     o = torch.zeros(splits, hkv, rows, d, dtype=torch.float64, device=q.device)
     lse = torch.full((splits, hkv, rows), -math.inf, dtype=torch.float64, device=q.device)
     for s in range(splits):
-        lo, hi = s * keys_per_split, min((s + 1) * keys_per_split, prefix)
+        lo, hi = max(s * keys_per_split - lead, 0), min((s + 1) * keys_per_split - lead, prefix)
         keys = torch.arange(lo, max(lo, hi), device=q.device)
         seen = torch.ones(rows, len(keys), dtype=torch.bool, device=q.device)
         if block is not None and s == 0:
