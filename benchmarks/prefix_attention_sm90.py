@@ -11,15 +11,18 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows
   (`ws_default_no_tail`: the same with the rows past the last whole 128-row block in a row block
   of their own instead of the tail warp group; `ws_default_no_idle_skip`: that block's second warp
-  group computing its rows past the end, as before SKIP_IDLE; --splits: the default at more
-  split counts, with and without the tail);
+  group computing its rows past the end, as before SKIP_IDLE; `ws_default_no_pdl`: each call
+  launched after the one before has ended, where by default its programs start while that one
+  ends; --splits: the default at more split counts, with and without the tail);
   with --repeats, the median of R passes over all of them (`_all_us`: each pass's);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
   warp-specialised kernel over the prefix and, in its first split, the tree's block; one combine
   launch); `gluon_whole_triton_block`: the same with GLUON_BLOCK off (the Triton kernel over the
-  block's columns, merged in its combine launch);
+  block's columns, merged in its combine launch); `gluon_whole_no_pdl`: the kernel and the combine
+  launched after the launch before each has ended, not as programmatic dependent launches;
+  `gluon_whole_unbalanced`: the first split taking its whole share of the prefix besides the block;
 - `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
@@ -40,6 +43,11 @@ from ddtree.kernels import tree_attention
 from ddtree.kernels import prefix_attention_sm90 as sm90
 from ddtree.kernels.tree_attention import cudnn_prefix, cudnn_splits, masked_attention
 from ddtree.tree import build_tree
+
+
+# The whole-attention rows: (key, the block in the Gluon kernel, entries over its tiling).
+GLUON_WHOLE = (("gluon_whole_us", True, {}), ("gluon_whole_triton_block_us", False, {}),
+               ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}))
 
 
 def main() -> None:
@@ -74,18 +82,20 @@ def main() -> None:
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
             switch, tree_attention.GLUON_PREFIX = tree_attention.GLUON_PREFIX, True
+            picked = sm90.tiling
             fold = tree_attention.GLUON_BLOCK
             try:  # the Gluon path whatever the rows (the engine's takes it from GLUON_MIN_ROWS on)
                 minimum, tree_attention.GLUON_MIN_ROWS = tree_attention.GLUON_MIN_ROWS, {64: 1, 128: 1, 256: 1}
-                for key, block_in_gluon in (("gluon_whole_us", True), ("gluon_whole_triton_block_us", False)):
+                for key, block_in_gluon, override in GLUON_WHOLE:
                     tree_attention.GLUON_BLOCK = block_in_gluon
+                    sm90.tiling = lambda *a, override=override: picked(*a) | override  # noqa: E731
                     row[key] = call_us(
                         lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
             except Exception as error:
                 row["gluon_whole_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             finally:
                 tree_attention.GLUON_PREFIX, tree_attention.GLUON_MIN_ROWS = switch, minimum
-                tree_attention.GLUON_BLOCK = fold
+                tree_attention.GLUON_BLOCK, sm90.tiling = fold, picked
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))
@@ -104,6 +114,7 @@ def main() -> None:
                 ws_tilings["default_no_idle_skip"] = ws_tilings["default"] | {"SKIP_IDLE": False, "TAIL": False}
             if sm90.tail_rows(ws_tilings["default"], rows, d)[0]:  # the rows past whole blocks in a block of their own
                 ws_tilings["default_no_tail"] = ws_tilings["default"] | {"TAIL": False}
+            ws_tilings["default_no_pdl"] = ws_tilings["default"] | {"PDL": False}  # each call after the last has ended
             runs = [(label, config, sm90.splits_for(config, rows, hkv, sms, keys, d)) for label, config in ws_tilings.items()]
             runs += [(label, ws_tilings[label], splits) for splits in extra_splits
                      for label in ("default", "default_no_tail") if label in ws_tilings]

@@ -103,15 +103,19 @@ def test_graph_replay_follows_the_prefix_length(dtype):
         check(out, reference(q, k, v, length, 20000, 8, scale))
 
 
-@pytest.mark.parametrize("pdl", [True, False], ids=["dependent-launch", "after-the-write"])
-def test_the_block_written_just_before_is_the_one_read(pdl):
-    """The engine's order: the layer's KV write (which lets the next launch start early), then the
-    kernel over the prefix and the tree's block, launched as a programmatic dependent launch (or
-    not): eagerly and replayed as a graph after new keys, values and queries are in place, the
-    block's keys and values are those just written and the queries the new ones."""
+@pytest.mark.parametrize("pdl", [True, False], ids=["dependent-launches", "after-each-other"])
+def test_the_block_written_just_before_is_the_one_read(pdl, monkeypatch):
+    """The engine's order: the layer's KV write (which lets the next launch start early), the kernel
+    over the prefix and the tree's block, then the combine launch, the last two as programmatic
+    dependent launches (`PDL`, or not): eagerly and replayed as a graph after new keys, values and
+    queries are in place, the block's keys and values are those just written and the queries the
+    new ones, for the kernel's partials and for `masked_attention`'s whole path."""
+    from ddtree.kernels import prefix_attention_sm90, tree_attention
     from ddtree.kernels.kv_write import write_kv
 
-    hq, hkv, d = HEADS[0]
+    monkeypatch.setattr(prefix_attention_sm90, "PDL", pdl)
+    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    _, hkv, d = HEADS[0]
     n, context = 65, 32768
     q, k, v = inputs(n, HEADS[0], context + n + 300)
     new_k, new_v = torch.randn(2, n, hkv, d, device="cuda", dtype=q.dtype)
@@ -122,12 +126,17 @@ def test_the_block_written_just_before_is_the_one_read(pdl):
 
     def call():
         write_kv(k, v, slots, new_k, new_v)
-        return prefix_attention(q, k, v, prefix, context + 300, 8, scale, {"PDL": pdl}, block=block)
+        partials = prefix_attention(q, k, v, prefix, context + 300, 8, scale, block=block)
+        write_kv(k, v, slots, new_k, new_v)
+        return partials, tree_attention.masked_attention(q, k, v, block, scale, prefix_len=prefix,
+                                                         min_prefix=context - 1000)
 
-    check(call(), reference(q, k, v, context, context + 300, 8, scale, block=block))
+    partials, whole = call()
+    check(partials, reference(q, k, v, context, context + 300, 8, scale, block=block))
+    torch.testing.assert_close(whole.double(), masked_reference(q, k, v, block, context, scale), atol=2e-2, rtol=0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = call()
+        partials, whole = call()
     for length in (context, context - 1000):
         prefix.fill_(length)
         slots.copy_(length + torch.arange(n, device="cuda"))
@@ -135,7 +144,8 @@ def test_the_block_written_just_before_is_the_one_read(pdl):
         new_v.normal_()
         q.normal_()
         graph.replay()
-        check(out, reference(q, k, v, length, context + 300, 8, scale, block=block))
+        check(partials, reference(q, k, v, length, context + 300, 8, scale, block=block))
+        torch.testing.assert_close(whole.double(), masked_reference(q, k, v, block, length, scale), atol=2e-2, rtol=0)
 
 
 def test_refuses_what_it_cannot_run():

@@ -141,6 +141,15 @@ def _load_tile(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empt
 
 
 @gluon.jit
+def _dependents_may_start():
+    """Let the next launch, where it is a programmatic dependent one (the combine launch after this
+    kernel), start its programs while this one ends instead of after it (griddepcontrol.launch_dependents;
+    they wait for this launch's end before they read anything)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _inputs_ready():
     """Wait until the launch before this one has finished and its writes are visible
     (griddepcontrol.wait; at once where this launch is not a programmatic dependent one). The kernel
@@ -312,15 +321,15 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
         first = group * parts * TAIL + entries
         m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
         for p in range(parts):
-            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2))
+            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2, cache_modifier=".cg"))
         m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
         o = gl.zeros([D, TAIL], gl.float32, ST)
         total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
         for p in range(parts):
             at_p = first + p * TAIL
-            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2) - m_safe)  # 0 for an empty partial
-            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1)
-            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None])
+            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2, cache_modifier=".cg") - m_safe)  # 0: empty
+            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1, cache_modifier=".cg")
+            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None], cache_modifier=".cg")
         rws = row0 + entries
         out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
         gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
@@ -423,6 +432,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     rows = n_tokens * GROUP
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     prefix = gl.load(prefix_ptr).to(gl.int32)  # int64 as the engine keeps it: no conversion launch a layer
+    _dependents_may_start()
     # Split s takes prefix keys [s * keys_per_split - lead, (s + 1) * keys_per_split - lead) (`split_keys`):
     # the first split's programs also read the block's columns [P, P + block_cols) (none: 0), so
     # they give up `lead` prefix keys, as many as those columns' tiles, to end with the others.

@@ -75,6 +75,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTorch's attention
     triton = None
 
@@ -471,7 +472,7 @@ def _through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """`masked_attention`'s prefix through `prefix_attention_sm90` -> (out [N, Hq * D], None) where
     its first split takes the tree's block too and one combine launch merges the splits (GLUON_BLOCK),
     else (None, the prefix's partials (o, lse, None)) for the rest of the attention to merge with."""
-    from ddtree.kernels.prefix_attention_sm90 import prefix_attention, splits_for, tiling as gluon_tiling
+    from ddtree.kernels.prefix_attention_sm90 import PDL, prefix_attention, splits_for, tiling as gluon_tiling
 
     n, hq, d = q.shape
     rows = n * (hq // k.shape[1])
@@ -481,20 +482,24 @@ def _through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys, d)
     if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
         o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
-        return _merge_library(q, o, lse, mask.shape[1], config), None
+        return _merge_library(q, o, lse, mask.shape[1], config, dependent=t.get("PDL", PDL)), None
     return None, (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
 
 
 def _merge_library(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, block_cols: int,
-                   config: AttentionConfig | None) -> torch.Tensor:
+                   config: AttentionConfig | None, dependent: bool = False) -> torch.Tensor:
     """The combine launch over partials (o, lse) in `cudnn_prefix`'s layout that cover every key a
-    row sees (the Gluon kernel's splits with the tree's block) -> out [N, Hq * D] in q's dtype."""
+    row sees (the Gluon kernel's splits with the tree's block) -> out [N, Hq * D] in q's dtype.
+    dependent: launched as a programmatic dependent launch, right after the launch that made the
+    partials (which lets it start early: `prefix_attention_sm90.PDL`), its programs waiting for
+    that launch's end before they read them."""
     n, hq, d = q.shape
     hkv = o.shape[1]
     rows = o.shape[2]
     config = config or tiling(rows, block_cols, d, element_bytes=q.element_size())
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    _launch_combine(lse, lse, out, rows, hkv, hq // hkv, d, 0, config, (o, lse, None))  # no split of its own
+    _launch_combine(lse, lse, out, rows, hkv, hq // hkv, d, 0, config, (o, lse, None),  # no split of its own
+                    dependent=dependent)
     return out.view(n, hq * d)
 
 
@@ -646,7 +651,7 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
 
 
 def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int, splits: int,
-                    config: AttentionConfig, library=None, rows_of=None) -> None:
+                    config: AttentionConfig, library=None, rows_of=None, dependent: bool = False) -> None:
     """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
     split at a time, the library's partials (`_launch`) merged too (splits 0: the library's alone).
@@ -679,7 +684,8 @@ def _launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: in
             slots, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
             UNROLL=unroll, LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits,
             LIB_P=triton.next_power_of_2(max(lib_splits, 1)), BALANCED=rows_of is not None,
-            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, num_warps=4)
+            BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, WAIT=dependent, num_warps=4,
+            **({"launch_pdl": True} if dependent else {}))
 
 
 if triton is not None:
@@ -1000,13 +1006,16 @@ if triton is not None:
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                         SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr,
                         LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr, BALANCED: tl.constexpr,
-                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `_combine` as its own launch, when the
         partials are too many for the last split to combine them, `fold_combine` is off, or the
         library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too. BALANCED: a balanced
         split's partials (`_attention`'s), each row's found from the prefix lengths of the batch's
         rows (row_len rows each) as the attention found them, but for rows of at most `folded`
-        items, which the attention launch combined."""
+        items, which the attention launch combined. WAIT: a programmatic dependent launch, which
+        waits for the launch before it to end before it reads anything."""
+        if WAIT:
+            gdc_wait()
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1)
         dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
