@@ -30,6 +30,10 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8}),
     ("fp16, head_dim 64, a tail of 16", 4, 64, "fp16",
      {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
+    ("qwen3.6-27b, two consumers and a tail of 8", 6, 256, "bf16",
+     {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 8}),
+    ("qwen3.6-27b, two consumers and a tail of 16", 6, 256, "bf16",
+     {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
 )
 
 

@@ -17,13 +17,15 @@ in FlashAttention-3's form"). Here:
   between them), so one's softmax runs while the other's products hold the tensor cores. A warp
   group with no real row (the last row block's second, e.g. at 65 tokens x 6 heads) does nothing
   and its partner releases each slot for both (`SKIP_IDLE`, a tiling entry, on unless set False);
-- with two consumers at head_dim <= 128, the rows past the last whole 128-row block, where they
-  are at most 16 (`tail_rows`: 65 tokens x 4 query heads leave 4 of 260), go to a fourth
+- with two consumers, the rows past the last whole 128-row block, where they are at most 16
+  (`tail_rows`: 65 tokens x 4 query heads leave 4 of 260, x 6 at head_dim 256 6 of 390), go to a fourth
   partition instead of a row block of their own: a tail warp group, its products transposed
   (s^T = k . q^T, o^T += v^T . p^T) so that those few rows are the MMA's N (8 or 16) and not 64
   rows of padding (a row block of 4 real rows had cost as much as a whole one, a third of the
   programs at 65 tokens). Each row-block program's tail warp group takes its share of the split's
-  key tiles, and the last of a KV head's programs to finish merges their partials (`_tail`).
+  key tiles, and the last of a KV head's programs to finish merges their partials (`_tail`). At
+  head_dim 256 the consumers' p.v then runs as two products over the head dim's halves (`_attend`'s
+  HALVES: one of N = 256 needs more registers at once than four warp groups leave a thread).
 
 Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
 [P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
@@ -178,28 +180,34 @@ def _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP: gl
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
               base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
               idle, partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, HALVES: gl.constexpr):
     """One warp group's 64 query rows [row0, row0 + 64), or nothing where `idle` (the last row
     block's second warp group with no real row: its partner then releases each slot for it, and
     runs its products with the tensor cores to itself)."""
     if idle == 0:
         _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
                 base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-                partner_idle, GROUP, D, BLOCK_N, STAGES)
+                partner_idle, GROUP, D, BLOCK_N, STAGES, HALVES)
 
 
 @gluon.jit
 def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
             base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-            partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            HALVES: gl.constexpr):
     """The rows [row0, row0 + 64) over the split's keys [start, end), then over the block's n_block
     tiles of columns (none but in the first split). Each slot's release counts for both warp groups
-    where the partner is idle (partner_idle), so the loader never waits on it."""
+    where the partner is idle (partner_idle), so the loader never waits on it.
+
+    HALVES 2: p.v as two products over the two halves of the head dim (acc and acc_hi, each [64,
+    D / 2]). At head_dim 256 one m64n256 product needs 158 registers of a thread at once, more than
+    the 128 a launch of four warp groups (a tail warp group's) leaves each; two of N = 128 fit."""
     BLOCK_M: gl.constexpr = 64
+    DH: gl.constexpr = D // HALVES
     release_twice = partner_idle != 0
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
 
     _inputs_ready()
@@ -217,7 +225,9 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
     p, m_i, l_i, alpha = _softmax_tile(_keys_before(s, start, end, BLOCK_N, QK), m_i, l_i, qk_scale)
     p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, PV)
+    acc = gl.zeros([BLOCK_M, DH], gl.float32, PV)
+    if HALVES == 2:
+        acc_hi = gl.zeros([BLOCK_M, DH], gl.float32, PV)
 
     for j in range(1, n_tiles + n_block):
         slot = j % STAGES
@@ -225,8 +235,13 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
         s_token = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_token, ))
+        if HALVES == 1:
+            acc_token = warpgroup_mma(p_prev, v_ring.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_token, ))
+        else:
+            acc_token = warpgroup_mma(p_prev, v_ring.index(prev).slice(0, DH, dim=1), acc, is_async=True)
+            hi_token = warpgroup_mma(p_prev, v_ring.index(prev).slice(DH, DH, dim=1), acc_hi, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s_token, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
         mbarrier.arrive(k_empty.index(slot), count=1, pred=release_twice)
         tile_start = start + j * BLOCK_N
@@ -236,23 +251,36 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
         elif tile_start + BLOCK_N > end:
             s = _keys_before(s, tile_start, end, BLOCK_N, QK)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale)
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
+        if HALVES == 1:
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
+        else:
+            acc, acc_hi, p_prev = warpgroup_mma_wait(0, deps=(acc_token, hi_token, p_prev))
         mbarrier.arrive(v_empty.index(prev), count=1)  # p.v of tile j - 1 has read its values
         mbarrier.arrive(v_empty.index(prev), count=1, pred=release_twice)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
+        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(1, PV))
+        acc = acc * alpha_pv[:, None]
+        if HALVES == 2:
+            acc_hi = acc_hi * alpha_pv[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
 
     last = (n_tiles + n_block - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles + n_block - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    if HALVES == 1:
+        acc = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    else:
+        acc = warpgroup_mma(p_prev, v_ring.index(last).slice(0, DH, dim=1), acc, is_async=True)
+        acc_hi = warpgroup_mma(p_prev, v_ring.index(last).slice(DH, DH, dim=1), acc_hi, is_async=True)
+        acc, acc_hi, p_prev = warpgroup_mma_wait(0, deps=(acc, acc_hi, p_prev))
 
     l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
-    out = acc * gl.where(l_pv > 0.0, 1.0 / l_pv, 0.0)[:, None]
+    norm = gl.where(l_pv > 0.0, 1.0 / l_pv, 0.0)[:, None]
     rows_pv = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, PV))
-    dims_pv = gl.arange(0, D, layout=gl.SliceLayout(0, PV))
-    gl.store(o_ptr + (base + rows_pv[:, None]) * D + dims_pv[None, :], out.to(dtype),
-             mask=(rows_pv[:, None] < rows) & (dims_pv[None, :] < D))
+    dims_pv = gl.arange(0, DH, layout=gl.SliceLayout(0, PV))
+    at = o_ptr + (base + rows_pv[:, None]) * D + dims_pv[None, :]
+    gl.store(at, (acc * norm).to(dtype), mask=rows_pv[:, None] < rows)
+    if HALVES == 2:
+        gl.store(at + DH, (acc_hi * norm).to(dtype), mask=rows_pv[:, None] < rows)
     lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
     rows_qk = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QK))
     gl.store(lse_ptr + base + rows_qk, lse, mask=rows_qk < rows)
@@ -465,16 +493,17 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     # (Partitions and their arguments are written in the call itself: tuples built before it would
     # turn their functions and constexprs into tensors.)
     if TAIL > 0:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
+        HALVES: gl.constexpr = (D + 127) // 128  # p.v in two products at head_dim 256 (`_attend`)
         qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
         pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([TAIL, BLOCK_N], dtype))
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, HALVES)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, HALVES)),
             (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                      part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
                      end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
@@ -486,10 +515,10 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, tail_idle, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, tail_idle, GROUP, D, BLOCK_N, STAGES, 1)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, tail_idle, False, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, tail_idle, False, GROUP, D, BLOCK_N, STAGES, 1)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
                        n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -497,7 +526,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, 1)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
                        n_block, head * D, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -532,11 +561,10 @@ def tail_rows(config: dict, rows: int, head_dim: int) -> tuple[int, int]:
     """(TAIL, rows in whole 128-row blocks): where two consumers' last row block would hold at most
     16 real rows (65 tokens x 4 query heads: 4 of 128), those rows go to the tail warp group, its
     products transposed to N = TAIL (8 or 16), and the row blocks stop at the last whole one;
-    else (0, rows). At head_dim <= 128 only: at 256 the kernel does not compile within the
-    registers a fourth warp group leaves. The config's "TAIL": False turns it off (tests, benchmarks)."""
+    else (0, rows). The config's "TAIL": False turns it off (tests, benchmarks). head_dim: any the
+    kernel takes (at 256 its consumers' p.v runs in two halves to fit the registers)."""
     left = rows % 128
-    if (config["CONSUMERS"] != 2 or not config.get("TAIL", True) or head_dim > 128 or rows < 128
-            or not 0 < left <= 16):
+    if config["CONSUMERS"] != 2 or not config.get("TAIL", True) or rows < 128 or not 0 < left <= 16:
         return 0, rows
     return (8 if left <= 8 else 16), rows - left
 
