@@ -1,6 +1,7 @@
 """Compile the Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`) for sm_90 without a
-GPU, at every tiling it picks from, at Qwen3-8B's and Qwen3.6-27B's heads, and report its shared
-memory, its registers (maxnreg, and what setmaxnreg gives each partition) and any spills:
+GPU, at every tiling it picks from, at Qwen3-8B's and Qwen3.6-27B's heads, for one sequence and for
+a batch's rows, and report its shared memory, its registers (maxnreg, and what setmaxnreg gives
+each partition) and any spills:
 
     python scripts/compile_prefix_attention_sm90.py
 
@@ -34,6 +35,10 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 8}),
     ("qwen3.6-27b, two consumers and a tail of 16", 6, 256, "bf16",
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
+    ("qwen3-8b, a batch's rows, two consumers and a tail of 8", 4, 128, "bf16",
+     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "BATCHED": True}),
+    ("qwen3.6-27b, a batch's rows, one consumer", 6, 256, "bf16",
+     {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1, "BATCHED": True}),
 )
 
 
@@ -53,15 +58,16 @@ def main() -> int:
         q_smem, kv_smem = shared_layouts(head_dim, dtype, 64, t["BLOCK_N"])
         descriptor = f"tensordesc<{dtype_name}[{t['BLOCK_N']}, {head_dim}],{kv_smem!r}>"
         signature = {"q_ptr": f"*{dtype_name}", "k_desc": descriptor, "v_desc": descriptor, "o_ptr": f"*{dtype_name}",
-                     "lse_ptr": "*fp32", "prefix_ptr": "*i64", "mask_ptr": "*u8", "part_o_ptr": "*fp32",
-                     "part_ml_ptr": "*fp32", "count_ptr": "*i32", "n_tokens": "i32",
-                     "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "lead": "i32", "block_cols": "i32",
-                     "mask_stride": "i32", "qk_scale": "fp32", "full_rows": "i32"}
+                     "lse_ptr": "*fp32", "prefix_ptr": "*i64", "first_ptr": "*i64", "mask_ptr": "*u8",
+                     "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "count_ptr": "*i32", "n_tokens": "i32",
+                     "batch": "i32", "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "lead": "i32",
+                     "block_cols": "i32", "mask_stride": "i32", "qk_scale": "fp32", "full_rows": "i32"}
         tail = t.get("TAIL", 0)
         maxnreg, consumer_regs, tail_regs = registers(t["CONSUMERS"], t["PER_SM"], tail > 0)
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "SKIP_IDLE": True, "TAIL": tail,
                       "BLOCK_N": t["BLOCK_N"], "STAGES": t["STAGES"], "Q_SMEM": q_smem,
-                      "CONSUMER_REGS": consumer_regs, "TAIL_REGS": tail_regs, "num_warps": 4}
+                      "CONSUMER_REGS": consumer_regs, "TAIL_REGS": tail_regs, "BATCHED": t.get("BATCHED", False),
+                      "num_warps": 4}
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}

@@ -493,3 +493,32 @@ def test_the_benchmark_prints_its_splits_without_a_gpu(monkeypatch, capsys):
     skewed, equal = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert skewed["uniform"] == [4, 129] and skewed["balanced"] == [47, 11]
     assert equal["uniform"] == equal["balanced"] == [4, 129]
+
+
+def test_a_gluon_kernel_that_fails_on_a_batch_leaves_the_triton_kernel(monkeypatch, caplog):
+    """Where the Gluon kernel takes a batch (`_gluon_prefix` true for a row's tokens), its rows go to
+    one launch with their first slots and block masks; if it fails to build or launch, the Triton
+    kernel attends, equal to float64 row by row, with a warning, and later batches do not try it."""
+    from ddtree.kernels import prefix_attention_sm90
+
+    seen = []
+
+    def failing(q, k, v, prefix_len, max_keys, splits, scale, config=None, block=None, first_slot=None):
+        seen.append((tuple(q.shape), tuple(block.shape), tuple(first_slot.shape), tuple(prefix_len.shape), max_keys))
+        raise RuntimeError("this Gluon does not build the kernel")
+
+    monkeypatch.setattr(tree_attention, "_GLUON_FAILED", set())
+    monkeypatch.setattr(tree_attention, "_gluon_prefix", lambda q, k, v, min_prefix, tokens=None:
+                        (q.dtype, q.shape[-1]) not in tree_attention._GLUON_FAILED)
+    monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", failing)
+    m, hq, hkv, d, prefixes = 5, 4, 2, 16, [40, 0, 23]
+    q, k, v, first, row_slots = batch_inputs(m, hq, hkv, d, prefixes, torch.float32, seed=11)
+    block = block_masks(m, len(prefixes), "tree", seed=11)
+    prefix = torch.tensor(prefixes, device=DEVICE)
+    for _ in range(2):
+        out = batched_masked_attention(q, k, v, block, d**-0.5, prefix, first, row_slots)
+        for b, p in enumerate(prefixes):
+            want = row_reference(q, k, v, block, p, int(first[b]), b, m, d**-0.5)
+            torch.testing.assert_close(out[b * m:(b + 1) * m].double(), want.to(out.device), atol=2e-5, rtol=1e-4)
+    assert seen == [((15, hq, d), (3, m, m), (3,), (3,), row_slots)]
+    assert "the Gluon prefix kernel failed on a batch" in caplog.text

@@ -281,3 +281,47 @@ def test_a_batched_prefill_chunk_attends_alone(monkeypatch):
     block = torch.ones(c, c, dtype=torch.bool, device="cuda").tril()
     torch.testing.assert_close(got.double(), masked_reference(q, k[window], v[window], block, rows.start, scale),
                                atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
+@pytest.mark.parametrize("n", [65, 257])
+def test_a_batchs_rows_in_one_launch_equal_float64(heads, n, monkeypatch):
+    """`batched_masked_attention`'s prefix form through the Gluon kernel, the rows a batch of one
+    launch: rows of different prefix lengths and first cache slots (one short, so that its later
+    splits are empty), each token seeing its row's prefix and its tree's block, equal to float64 row
+    by row; eagerly and replayed as a graph after the prefix lengths changed on the device (one row
+    to no prefix at all)."""
+    from ddtree.kernels import prefix_attention_sm90, tree_attention
+
+    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    calls = []
+    kernel = prefix_attention_sm90.prefix_attention
+    monkeypatch.setattr(prefix_attention_sm90, "prefix_attention",
+                        lambda *a, **kw: calls.append(kw.get("first_slot") is not None) or kernel(*a, **kw))
+    hq, hkv, d = heads
+    batch, max_kv = 3, 12288
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(batch * n, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache = torch.randn(2, batch * max_kv + 512, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = cache[0], cache[1]
+    first = torch.tensor([0, max_kv, 2 * max_kv], device="cuda")
+    prefix = torch.tensor([max_kv - n - 300, 5000, 700], device="cuda")
+    eye = torch.eye(n, dtype=torch.bool, device="cuda")
+    block = (torch.rand(batch, n, n, device="cuda", generator=gen) < 0.3) | eye
+    scale = d ** -0.5
+
+    def check_rows(out):
+        for r in range(batch):
+            lo, p = int(first[r]), int(prefix[r])
+            want = masked_reference(q[r * n:(r + 1) * n], k[lo:lo + max_kv], v[lo:lo + max_kv], block[r], p, scale)
+            torch.testing.assert_close(out[r * n:(r + 1) * n].double(), want, atol=2e-2, rtol=0)
+
+    call = lambda: tree_attention.batched_masked_attention(q, k, v, block, scale, prefix, first, max_kv)  # noqa: E731
+    check_rows(call())
+    assert calls == [True]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    prefix.copy_(torch.tensor([max_kv - n - 1, 4096, 0], device="cuda"))
+    graph.replay()
+    check_rows(out)

@@ -312,7 +312,8 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
     each of the KV head's row-block programs takes a run of them for the tail ([lo, hi)) and
     releases the others' slots unread; each writes its unnormalised partial (o^T, the running
     maximum, the sum) to part_o / part_ml, and the last of them to arrive (count_ptr, one counter
-    per KV head and split, left at zero for the next launch) merges them into the split's output."""
+    per KV head, split and batch row, left at zero for the next launch) merges them into the split's
+    output."""
     _inputs_ready()
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
@@ -333,7 +334,7 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
     _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
 
     # This program's partial, then the arrival count; the last to arrive merges them all.
-    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, KV head)
+    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
     entries = gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
     at = (group * parts + pid_m) * TAIL + entries
@@ -448,18 +449,28 @@ def _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_re
 
 
 @gluon.jit
-def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, part_o_ptr, part_ml_ptr, count_ptr,
-                   n_tokens, stride_qt, stride_qh, keys_per_split, lead, block_cols, mask_stride, qk_scale, full_rows,
-                   GROUP: gl.constexpr,
-                   D: gl.constexpr, CONSUMERS: gl.constexpr, SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   TAIL_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
+                   count_ptr, n_tokens, batch, stride_qt, stride_qh, keys_per_split, lead, block_cols, mask_stride,
+                   qk_scale, full_rows, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+                   SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, TAIL_REGS: gl.constexpr, BATCHED: gl.constexpr,
+                   num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
-    split = gl.program_id(2)
     rows = n_tokens * GROUP
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    prefix = gl.load(prefix_ptr).to(gl.int32)  # int64 as the engine keeps it: no conversion launch a layer
+    if BATCHED:  # grid axis 2: (split, batch row); the row's queries, mask, prefix and first cache slot
+        r = gl.program_id(2) % batch
+        split = gl.program_id(2) // batch
+        prefix = gl.load(prefix_ptr + r).to(gl.int32)
+        slot0 = gl.load(first_ptr + r).to(gl.int32)
+        q_ptr = q_ptr + r * n_tokens * stride_qt
+        mask_ptr = mask_ptr + r * n_tokens * mask_stride
+    else:
+        r = 0
+        split = gl.program_id(2)
+        prefix = gl.load(prefix_ptr).to(gl.int32)  # int64 as the engine keeps it: no conversion launch a layer
+        slot0 = 0
     _dependents_may_start()
     # Split s takes prefix keys [s * keys_per_split - lead, (s + 1) * keys_per_split - lead) (`split_keys`):
     # the first split's programs also read the block's columns [P, P + block_cols) (none: 0), so
@@ -468,7 +479,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
     end = gl.minimum((split + 1) * keys_per_split - lead, prefix)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)  # one (masked) tile for a split past P
     n_block = gl.where(split == 0, gl.cdiv(block_cols, BLOCK_N), 0)
-    base = (split * gl.num_programs(1) + head) * rows
+    base = ((split * gl.num_programs(1) + head) * batch + r) * rows  # o [splits, Hkv, batch * rows, D]
     row0 = pid_m * CONSUMERS * 64
     # The last row block's second warp group may have no real row (e.g. 65 tokens x 6 heads = 390
     # rows at head_dim 256, where no tail warp group takes them: its rows 448-511); it then does
@@ -508,8 +519,8 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
                      part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
                      end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
                      TAIL)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
-                       n_block, head * D, BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
+                       slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -519,28 +530,29 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, mask_ptr, 
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
                          mask_ptr, mask_stride, qk_scale, tail_idle, False, GROUP, D, BLOCK_N, STAGES, 1)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
-                       n_block, head * D, BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
+                       slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
                          mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, 1)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, start, n_tiles, prefix,
-                       n_block, head * D, BLOCK_N, STAGES)),
+            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
+                       slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [1], [24])
 
 
-def tiling(head_dim: int, rows: int, kv_heads: int, sms: int) -> dict:
+def tiling(head_dim: int, rows: int, kv_heads: int, sms: int, batch: int = 1) -> dict:
     """CONSUMERS (warp groups of 64 rows a program), BLOCK_N, STAGES and PER_SM (programs an SM) for
     `rows` query rows per KV head (H200, benchmarks/prefix_attention_sm90.py): two consumers sharing
     each key tile; 128-key tiles in 2 stages at head_dim <= 128, 64-key tiles in 2 stages at 256 (Q
     64 KB + 64 KB of keys and values a stage). Where two consumers' programs could not fill the SMs
     even at 16 key splits (few rows), one consumer: twice the programs, at 64-key tiles in 3 stages
     (head_dim <= 128: two programs an SM). With two, `tail_rows` says whether a tail warp group takes
-    the rows past the last whole 128-row block (its entry "TAIL", on unless set False)."""
-    if triton.cdiv(rows, 128) * kv_heads * 16 < sms:
+    the rows past the last whole 128-row block (its entry "TAIL", on unless set False). batch: rows
+    (sequences) of a batched launch, each with `rows` of its own."""
+    if triton.cdiv(rows, 128) * kv_heads * batch * 16 < sms:
         return {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2 if head_dim <= 128 else 1}
     return {"CONSUMERS": 2, "BLOCK_N": 128 if head_dim <= 128 else 64, "STAGES": 2, "PER_SM": 1}
 
@@ -580,10 +592,10 @@ def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, mi
     return min(splits for splits in counts if cost[splits] <= least * 1.03)
 
 
-def splits_for(config: dict, rows: int, kv_heads: int, sms: int, max_keys: int, head_dim: int) -> int:
+def splits_for(config: dict, rows: int, kv_heads: int, sms: int, max_keys: int, head_dim: int, batch: int = 1) -> int:
     """`plan_splits` for a tiling's programs: its row blocks (`tail_rows`' whole ones where a tail
-    warp group takes the rest) x KV heads, PER_SM of them an SM."""
-    programs = triton.cdiv(tail_rows(config, rows, head_dim)[1], 64 * config["CONSUMERS"]) * kv_heads
+    warp group takes the rest) x KV heads x batch rows, PER_SM of them an SM."""
+    programs = triton.cdiv(tail_rows(config, rows, head_dim)[1], 64 * config["CONSUMERS"]) * kv_heads * batch
     return plan_splits(programs, config["PER_SM"] * sms, max_keys)
 
 
@@ -608,32 +620,42 @@ _TAIL_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _tail_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 zeros, at least `count` of them, one per (split, KV head) of a launch with a tail warp
-    group: how many row-block programs have written their tail partial (each launch leaves them at
+    """int32 zeros, at least `count` of them, one per (split, batch row, KV head) of a launch with a
+    tail warp group: how many row-block programs have written their tail partial (each launch leaves them at
     zero). Made or grown on an eager call (a graph's capture is preceded by one); launches on one
     stream at a time."""
     have = _TAIL_COUNTS.get(device)
     if have is None or have.numel() < count:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the prefix kernel's first call with a tail at this size must run before graph capture")
-        _TAIL_COUNTS[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _TAIL_COUNTS[device] = torch.zeros(max(count, 8192), dtype=torch.int32, device=device)
     return _TAIL_COUNTS[device]
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, max_keys: int,
-                     splits: int, scale: float, config: dict | None = None,
-                     block: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     splits: int, scale: float, config: dict | None = None, block: torch.Tensor | None = None,
+                     first_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
-    or int64 device scalar, read in place, at most `max_keys`, the static bound the splits are planned over) -> (o, lse) as in
-    the module docstring. bf16 / fp16 on sm_90; q's last dim and k's and v's last two contiguous, and
-    k, v finite past the prefix. `config` overrides `tiling`'s entries (tests, benchmarks).
+    or int64 device scalar, read in place, at most `max_keys`, the static bound the splits are
+    planned over) -> (o, lse) as in the module docstring. bf16 / fp16 on sm_90; q's last dim and
+    k's and v's last two contiguous, and k, v finite past the prefix. `config` overrides `tiling`'s
+    entries (tests, benchmarks).
 
     block: the tree's mask [N, M] (bool; token i sees key prefix_len + j where block[i, j]): the
     first split then attends to those M keys too, so that the splits' merge is the whole attention
-    (the prefix's keys past max_keys, if any, count for nothing there: max_keys + M <= T)."""
-    n, hq, d = q.shape
+    (the prefix's keys past max_keys, if any, count for nothing there: max_keys + M <= T).
+
+    first_slot [R] (int32 / int64 on the device): R rows (sequences) of a cache in one launch, as
+    `tree_attention.batched_masked_attention` lays them out: q [R * N, Hq, D], row r's N tokens at
+    r * N.., seeing keys first_slot[r] + j for j < prefix_len[r] ([R]) and, with block [R, N, M],
+    first_slot[r] + prefix_len[r] + j where block[r, i, j]; max_keys bounds every row's prefix. ->
+    o [splits, Hkv, R * N * group, D], lse [splits, Hkv, R * N * group] (row r's rows after row r -
+    1's, for the combine launch)."""
+    rows_total, hq, d = q.shape
     t_keys, hkv, _ = k.shape
     group = hq // hkv
+    batch = 1 if first_slot is None else first_slot.numel()
+    n = rows_total // batch
     if q.dtype not in (torch.bfloat16, torch.float16) or d not in (64, 128, 256) or hq % hkv:
         raise ValueError(f"prefix_attention takes bf16/fp16 with head_dim 64, 128 or 256, got {q.dtype}, {d}")
     if q.stride(-1) != 1 or any(x.stride(-1) != 1 or x.stride(1) != d for x in (k, v)):
@@ -642,16 +664,23 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         raise ValueError("prefix_attention's 16-byte copies need strides that are multiples of 8 elements")
     if prefix_len.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"prefix_attention's prefix_len is an int32 or int64 device scalar, got {prefix_len.dtype}")
-    t = tiling(d, n * group, hkv, torch.cuda.get_device_properties(q.device).multi_processor_count) | (config or {})
-    consumers, block_n = t["CONSUMERS"], t["BLOCK_N"]
+    if first_slot is not None and (first_slot.dim() != 1 or prefix_len.shape != (batch,) or rows_total % batch
+                                   or first_slot.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"prefix_attention's batch: first_slot and prefix_len [R] int32 / int64 and q [R * N, ...], "
+                         f"got {tuple(first_slot.shape)}, {tuple(prefix_len.shape)}, {rows_total} tokens")
+    if block is not None and first_slot is not None and block.dim() == 3 and block.shape[:2] == (batch, n):
+        block = block.reshape(rows_total, block.shape[2])
+    if block is not None and (block.dtype != torch.bool or block.dim() != 2 or block.shape[0] != rows_total):
+        raise ValueError(f"prefix_attention's block is a bool mask [{n}, M] ([R, N, M] for R rows), got "
+                         f"{block.dtype} {tuple(block.shape)}")
     rows = n * group
-    o = torch.empty(splits, hkv, rows, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(splits, hkv, rows, dtype=torch.float32, device=q.device)
+    t = tiling(d, rows, hkv, torch.cuda.get_device_properties(q.device).multi_processor_count, batch) | (config or {})
+    consumers, block_n = t["CONSUMERS"], t["BLOCK_N"]
+    o = torch.empty(splits, hkv, batch * rows, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(splits, hkv, batch * rows, dtype=torch.float32, device=q.device)
     q_smem, kv_smem = shared_layouts(d, q.dtype, 64, block_n)
     k_desc = TensorDescriptor(k, [t_keys, hkv * d], [k.stride(0), 1], [block_n, d], kv_smem)
     v_desc = TensorDescriptor(v, [t_keys, hkv * d], [v.stride(0), 1], [block_n, d], kv_smem)
-    if block is not None and (block.dtype != torch.bool or block.dim() != 2 or block.shape[0] != n):
-        raise ValueError(f"prefix_attention's block is a bool mask [{n}, M], got {block.dtype} {tuple(block.shape)}")
     if block is not None:
         mask, block_cols = block.contiguous().view(torch.uint8), block.shape[1]
     else:  # never read (no program has block columns): empty, so no fill launch on every call
@@ -659,18 +688,19 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     keys_per_split, lead = split_keys(max_keys, splits, block_cols if t.get("BALANCE", True) else 0)
     tail, full_rows = tail_rows(t, rows, d)
     maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
-    grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits)
+    grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits * batch)
     if tail:  # each row-block program's partial for the tail rows, merged by the last to finish
-        part_o = torch.empty(splits * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
-        counts = _tail_counters(q.device, splits * hkv)
+        part_o = torch.empty(grid[2] * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(grid[2] * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
+        counts = _tail_counters(q.device, grid[2] * hkv)
     else:  # never read
         part_o, part_ml, counts = lse, lse, lse
-    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, mask, part_o, part_ml, counts, n, q.stride(0),
-                         q.stride(1), keys_per_split, lead, block_cols, mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
+    _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, prefix_len if first_slot is None else first_slot, mask,
+                         part_o, part_ml, counts, n, batch, q.stride(0), q.stride(1), keys_per_split, lead, block_cols,
+                         mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
-                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs, num_warps=4,
-                         maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
+                         Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs,
+                         BATCHED=first_slot is not None, num_warps=4, maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
     return o, lse
 
 

@@ -248,12 +248,13 @@ GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
 _GLUON_FAILED: set = set()  # (dtype, head_dim) at which it failed to build or launch: the Triton kernel's there
 
 
-def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int) -> bool:
+def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int, tokens: int | None = None) -> bool:
     """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU with
     Triton's Gluon, bf16 or fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix, a
     cache TMA can read: heads contiguous, 16-byte aligned rows), unless it failed at this dtype and
-    head_dim before (`_GLUON_FAILED`)."""
+    head_dim before (`_GLUON_FAILED`). tokens: a sequence's tokens where q holds a batch's."""
     n, hq, d = q.shape
+    n = n if tokens is None else tokens
     return (GLUON_PREFIX and not _INTERPRETED and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and d in GLUON_MIN_ROWS and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS[d]
             and min_prefix >= GLUON_MIN_KEYS
@@ -558,6 +559,10 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     no key (padding with no prefix) gets zeros; keys a row reads but does not see (block columns
     past its tokens) only need to be finite, and reads stop at the cache's end.
 
+    On sm_90, where the rows' prefixes may be long (max_kv - C of GLUON_MIN_KEYS or more) and a
+    row's tokens many (`_gluon_prefix`), every row's prefix and block go through the Gluon kernel
+    (`prefix_attention_sm90`, the rows a batch of one launch) and one combine launch merges them.
+
     The mask form: block_mask [R, M, max_kv] is row r's mask over keys first_slot[r] + j (True:
     token i sees key j), ranges [R * M, 2] its `key_range` (each token's first visible key and last
     + 1, counted from its row's first slot; no token's range empty)."""
@@ -572,9 +577,39 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not prefix and (cols != max_kv or ranges is None or ranges.shape != (rows_total, 2)):
         raise ValueError(f"the mask form needs block_mask [R, M, max_kv={max_kv}] and ranges [{rows_total}, 2], got "
                          f"{tuple(block_mask.shape)} and {None if ranges is None else tuple(ranges.shape)}")
+    # (max_kv - cols bounds the rows' prefixes, it does not guarantee them: a row of a short prefix
+    # leaves its later splits' programs one masked tile each)
+    if (prefix and splits is None and cols <= GLUON_BLOCK_MAX_COLS and GLUON_BLOCK
+            and _gluon_prefix(q, k, v, max_kv - cols, tokens=m)):
+        try:  # every row's prefix and block through the Gluon kernel, one combine launch
+            return _batched_through_gluon(q, k, v, block_mask, scale, prefix_len, first_slot, max_kv, config)
+        except Exception as exc:  # noqa: BLE001 (a Triton whose Gluon does not build or launch this kernel)
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its eager call before the capture fails first
+                raise
+            _GLUON_FAILED.add((q.dtype, d))
+            log.warning("the Gluon prefix kernel failed on a batch (%s: %s); the Triton kernel attends from now on",
+                        type(exc).__name__, str(exc)[:300])
     config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch, q.element_size())
     return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len if prefix else ranges, first_slot, batch,
                    max_kv, scale, prefix, splits, config)
+
+
+def _batched_through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, scale: float,
+                           prefix_len: torch.Tensor, first_slot: torch.Tensor, max_kv: int,
+                           config: AttentionConfig | None) -> torch.Tensor:
+    """`batched_masked_attention`'s prefix form through `prefix_attention_sm90` with its rows as a
+    batch (each row's prefix below max_kv, its block in its first split), merged by one combine
+    launch -> out [R * M, Hq * D]."""
+    from ddtree.kernels.prefix_attention_sm90 import PDL, prefix_attention, splits_for, tiling as gluon_tiling
+
+    batch, m, cols = block_mask.shape
+    hkv, d = k.shape[1], q.shape[2]
+    rows = m * (q.shape[1] // hkv)
+    sms = _sm_count(q.device)
+    t = gluon_tiling(d, rows, hkv, sms, batch)
+    splits = splits_for(t, rows, hkv, sms, max_kv, d, batch)
+    o, lse = prefix_attention(q, k, v, prefix_len, max_kv, splits, scale, t, block=block_mask, first_slot=first_slot)
+    return _merge_library(q, o, lse, cols, config, dependent=t.get("PDL", PDL))
 
 
 def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, splits, config, library=None):
