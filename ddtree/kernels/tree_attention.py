@@ -599,7 +599,8 @@ def _batched_through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                            config: AttentionConfig | None) -> torch.Tensor:
     """`batched_masked_attention`'s prefix form through `prefix_attention_sm90` with its rows as a
     batch (each row's prefix below max_kv, its block in its first split), merged by one combine
-    launch -> out [R * M, Hq * D]."""
+    launch -> out [R * M, Hq * D]. Its rows are split alike over max_kv, not by their own keys as
+    the Triton kernel's are (`row_items`): a long row among short ones runs on its few splits."""
     from ddtree.kernels.prefix_attention_sm90 import PDL, prefix_attention, splits_for, tiling as gluon_tiling
 
     batch, m, cols = block_mask.shape
