@@ -11,9 +11,9 @@ rest of 512); its cache row has `--row-slots` slots (default: the longest contex
 Microseconds per call (CUDA-graph replay of 10 calls) of the loop, of the batched launch with
 max_kv = the longest row's keys (what `attend` passes in an eager round), and with max_kv = the
 row's slot count (what one graph per batch bucket would pass), that last one also with every row
-split alike over max_kv (`balance_rows` off, `batched_slots_uniform_us`) instead of by its share of
-the batch's keys, beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured
-copy bandwidth and bf16 matmul rate. Each row also gives the key split each way: the longest
+split alike over max_kv (`balance_rows` False, `batched_slots_uniform_us`) and by the rows' own keys
+(True, `batched_slots_balanced_us`; the default takes one of the two), beside the floor max(KV
+bytes / bandwidth, FLOPs / peak) at this GPU's measured copy bandwidth and bf16 matmul rate. Each row also gives the key split each way: the longest
 row's programs a KV head x key tiles each (`plan`). `--plan-only` prints those alone, for
 `--sms` SMs, without a GPU.
 """
@@ -125,11 +125,14 @@ def main() -> None:
                "batched_slots_us": call_us(lambda: batched_masked_attention(q, k, v, block, scale, prefix, first,
                                                                             row_slots)),
                "batched_slots_uniform_us": call_us(lambda: batched_masked_attention(
-                   q, k, v, block, scale, prefix, first, row_slots, config=uniform))}
+                   q, k, v, block, scale, prefix, first, row_slots, config=uniform)),
+               "batched_slots_balanced_us": call_us(lambda: batched_masked_attention(
+                   q, k, v, block, scale, prefix, first, row_slots, config=replace(uniform, balance_rows=True)))}
         results.append(row)
         print(f"ctx {ctx:>6} R={r:3d} N={n:4d}  floor {row['floor_us']:8.1f}  loop {row['loop_us']:8.1f}  "
               f"batched {row['batched_tight_us']:8.1f} (max_kv {tight})  {row['batched_slots_us']:8.1f} "
-              f"(max_kv {row_slots}; uniform split {row['batched_slots_uniform_us']:8.1f}) us", flush=True)
+              f"(max_kv {row_slots}; uniform split {row['batched_slots_uniform_us']:8.1f}, balanced "
+              f"{row['batched_slots_balanced_us']:8.1f}) us", flush=True)
     out = results_path(args.output, "batched_attention")
     out.write_text(json.dumps({
         "benchmark": "batched_attention", "command": "python benchmarks/batched_attention.py " + " ".join(

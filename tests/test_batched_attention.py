@@ -128,11 +128,12 @@ LONG_AMONG_SHORT = [  # prefixes of a batch, the balanced plan's (first item, it
 
 @pytest.mark.parametrize("prefixes,plan", LONG_AMONG_SHORT)
 @pytest.mark.parametrize("fold", [True, False])
-def test_a_long_row_among_short_ones_gets_the_programs(prefixes, plan, fold):
+def test_a_long_row_among_short_ones_gets_the_programs(prefixes, plan, fold, monkeypatch):
     """A balanced split (`plan_rows`, `row_items`) spreads a long row's keys over several programs
     and gives each short row one (the uniform split would give every row the same over max_kv);
     every row equals float64 attention, its partials merged by its last item (fold) or by the
     combine launch."""
+    monkeypatch.setattr(tree_attention, "_sm_count", lambda device: 8)  # the plans below: 8 SMs (a GPU has more)
     m, batch = 5, len(prefixes)
     config = AttentionConfig(fold_combine=fold, balance_rows=True)  # by default from BALANCE_MIN_KEYS keys on
     q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=21, strided=True)
@@ -169,8 +170,8 @@ def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
 
 def test_by_default_the_split_follows_the_rows_from_a_long_bound_on():
     """balance_rows None (the default): rows split alike under BALANCE_MIN_KEYS keys of max_kv,
-    by their own keys from it on (the kernel's grid: R * splits programs a row block and KV head,
-    or slots + R)."""
+    by their own keys from it on where a batch row's rows are BALANCE_MAX_ROWS or fewer (the
+    kernel's grid: R * splits programs a row block and KV head, or slots + R)."""
     grids = []
     original = tree_attention._attention
 

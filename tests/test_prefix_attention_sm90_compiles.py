@@ -71,7 +71,8 @@ def test_the_tail_takes_at_most_16_rows_past_whole_blocks():
     assert tail_rows(two, 256, 128) == (0, 256)
     assert tail_rows(two, 100, 128) == (0, 100)  # no whole block
     assert tail_rows(two, 390, 256) == (8, 384)  # Qwen3.6-27B, 65 tokens x 6 heads
-    assert tail_rows(two, 1542, 256) == (8, 1536)  # 257 tokens
+    assert tail_rows(two, 1542, 256) == (0, 1542)  # 257 tokens: 12 whole blocks, past TAIL_256_MAX_BLOCKS
+    assert tail_rows(two, 4 * 128 + 6, 256) == (8, 512)
     assert tail_rows(two, 138, 256) == (16, 128)  # 23 tokens
     assert tail_rows(two | {"TAIL": False}, 260, 128) == (0, 260)
     assert tail_rows({"CONSUMERS": 1, "PER_SM": 2}, 260, 128) == (0, 260)

@@ -73,6 +73,7 @@ SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of ti
 # Launched as a programmatic dependent launch (its programs start while the launch before it ends:
 # `_inputs_ready`); DDTREE_PDL=0 (or a config's "PDL": False) launches it after that one has ended.
 PDL = os.environ.get("DDTREE_PDL", "1") == "1"
+TAIL_256_MAX_BLOCKS = 4  # whole row blocks up to which head_dim 256 takes the tail warp group (`tail_rows`)
 TAIL_REGS_NEEDED = 56  # the tail warp group's registers (its tiles are [BLOCK_N or D, 8 or 16] float32)
 
 
@@ -574,9 +575,14 @@ def tail_rows(config: dict, rows: int, head_dim: int) -> tuple[int, int]:
     16 real rows (65 tokens x 4 query heads: 4 of 128), those rows go to the tail warp group, its
     products transposed to N = TAIL (8 or 16), and the row blocks stop at the last whole one;
     else (0, rows). The config's "TAIL": False turns it off (tests, benchmarks). head_dim: any the
-    kernel takes (at 256 its consumers' p.v runs in two halves to fit the registers)."""
+    kernel takes; at 256 its consumers' p.v then runs in two halves to fit the registers, which
+    pays where the whole blocks are few (H200, Qwen3.6-27B heads over 32k keys: 65 tokens, 3
+    blocks, 136.9 -> 99.5 us) and not where they are many (257 tokens, 12 blocks, 372.1 -> 394.9;
+    prefix_attention_sm90_branch_ab_h200.json), so there only up to TAIL_256_MAX_BLOCKS."""
     left = rows % 128
     if config["CONSUMERS"] != 2 or not config.get("TAIL", True) or rows < 128 or not 0 < left <= 16:
+        return 0, rows
+    if head_dim > 128 and rows // 128 > TAIL_256_MAX_BLOCKS:
         return 0, rows
     return (8 if left <= 8 else 16), rows - left
 

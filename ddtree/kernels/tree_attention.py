@@ -84,6 +84,7 @@ except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTor
 # (64 x 2) 25.3 -> 24.3; but N = 17 (64 x 12) 13.5 -> 22.7, one program reading them all.
 FOLD_MAX_PARTIALS = 512
 BALANCE_MIN_KEYS = 4096  # a batch's bound on a row's keys from which its split follows the rows' keys
+BALANCE_MAX_ROWS = 32  # ... for rows (tokens x group) of at most this many a batch row: DEFAULT's tiles
 # Arrival counters: a split launch combines in the kernel only while its (row block, KV head, batch
 # row) tiles are at most this many (else a combine kernel does it). Automatic splitting stops at a
 # few programs per SM, far below it; forced splits or many batch rows can pass it.
@@ -633,7 +634,9 @@ def _launch(q, k, v, mask, ranges, first_slot, batch, max_kv, scale, prefix, spl
     key_blocks = triton.cdiv(max_kv, block_n)
     # A batch's prefix form splits each row's keys by its share of the batch's (`plan_rows`);
     # `splits` then sets the work items (slots).
-    balance = config.balance_rows if config.balance_rows is not None else max_kv >= BALANCE_MIN_KEYS
+    balance = config.balance_rows
+    if balance is None:  # measured to pay at one token a row (DEFAULT's tiles), not at 17 or 65 (LONG's)
+        balance = max_kv >= BALANCE_MIN_KEYS and rows <= BALANCE_MAX_ROWS
     balanced = batched and prefix and batch > 1 and library is None and balance
     if balanced:
         block_m, slots = plan_rows(rows, hkv, batch, max_kv, _sm_count(q.device), config)
