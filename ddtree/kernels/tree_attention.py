@@ -249,6 +249,17 @@ GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
 _GLUON_FAILED: set = set()  # (dtype, head_dim) at which it failed to build or launch: the Triton kernel's there
 
 
+def _gluon_failed(q: torch.Tensor, exc: Exception, where: str = "") -> None:
+    """The Gluon prefix kernel failed to build or launch: raise again inside a graph capture (its
+    eager call before the capture fails first), else the Triton kernel from now on at q's dtype and
+    head_dim (`_GLUON_FAILED`), with a warning."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise exc
+    _GLUON_FAILED.add((q.dtype, q.shape[-1]))
+    log.warning("the Gluon prefix kernel failed%s (%s: %s); the Triton kernel attends from now on", where,
+                type(exc).__name__, str(exc)[:300])
+
+
 def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix: int, tokens: int | None = None) -> bool:
     """Whether the prefix goes through `prefix_attention_sm90` (the switch on, an sm_90 GPU with
     Triton's Gluon, bf16 or fp16, head_dim 64 / 128 / 256, many rows, a long guaranteed prefix, a
@@ -428,11 +439,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         try:
             whole, prefix_partials = _through_gluon(q, k, v, mask, scale, prefix_len, causal_block, config)
         except Exception as exc:  # noqa: BLE001 (a Triton whose Gluon does not build or launch this kernel)
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its eager call before the capture fails first
-                raise
-            _GLUON_FAILED.add((q.dtype, d))
-            log.warning("the Gluon prefix kernel failed (%s: %s); the Triton kernel attends from now on",
-                        type(exc).__name__, str(exc)[:300])
+            _gluon_failed(q, exc)
             whole = None
         if whole is not None:
             return whole
@@ -585,11 +592,7 @@ def batched_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         try:  # every row's prefix and block through the Gluon kernel, one combine launch
             return _batched_through_gluon(q, k, v, block_mask, scale, prefix_len, first_slot, max_kv, config)
         except Exception as exc:  # noqa: BLE001 (a Triton whose Gluon does not build or launch this kernel)
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its eager call before the capture fails first
-                raise
-            _GLUON_FAILED.add((q.dtype, d))
-            log.warning("the Gluon prefix kernel failed on a batch (%s: %s); the Triton kernel attends from now on",
-                        type(exc).__name__, str(exc)[:300])
+            _gluon_failed(q, exc, " on a batch")
     config = config or tiling(m * (hq // k.shape[1]), max_kv, d, batch, q.element_size())
     return _launch(q, k, v, block_mask.reshape(rows_total, cols), prefix_len if prefix else ranges, first_slot, batch,
                    max_kv, scale, prefix, splits, config)
