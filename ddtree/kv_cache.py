@@ -30,6 +30,10 @@ class KVCache:
         else:
             cache_k.index_copy_(0, slots, k)
             cache_v.index_copy_(0, slots, v)
+        return self.layer(layer, kv_len)
+
+    def layer(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values [kv_len, kv_heads, head_dim] (views)."""
         return self.k[layer, :kv_len], self.v[layer, :kv_len]
 
     def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

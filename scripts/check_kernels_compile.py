@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD_ENV = "DDTREE_RECORD_LAUNCHES"
 RECORD_ONLY_ENV = "DDTREE_RECORD_ONLY"
 KERNEL_TESTS = ["tests/test_tree_attention.py", "tests/test_batched_attention.py", "tests/test_gdn_kernels.py",
-                "tests/test_gdn_tree_inputs.py", "tests/test_kv_write.py", "tests/test_tree_kernels.py"]
+                "tests/test_gdn_tree_inputs.py", "tests/test_kv_write.py", "tests/test_tree_kernels.py",
+                "tests/test_qk_rope_write.py"]
 POINTER_TYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "float64": "*fp64", "int64": "*i64",
                  "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
 OPTIONS = ("num_warps", "num_stages", "maxnreg")

@@ -36,7 +36,7 @@ def supported(cache_k: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _signals_dependents(device: torch.device) -> bool:
+def signals_dependents(device: torch.device) -> bool:
     """Whether a launch on this GPU may let the next one start early (programmatic dependent launch,
     sm_90 on): the layer's attention after the write is launched so (`prefix_attention_sm90.PDL`)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -56,7 +56,7 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, 
     _write_kv[(n, layers)](k, v, slots, cache_k, cache_v, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
                            v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                            H=hkv, D=d, HP=triton.next_power_of_2(hkv), DP=triton.next_power_of_2(d),
-                           SIGNAL=_signals_dependents(k.device), num_warps=4)
+                           SIGNAL=signals_dependents(k.device), num_warps=4)
 
 
 def compact_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, start: torch.Tensor, order: torch.Tensor) -> None:

@@ -43,13 +43,20 @@ def add_residual(h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     return (h.float() + delta.float()).to(h.dtype)
 
 
+def norm_qkv(h, delta, norm_w, qkv_w, qkv_b, eps: float):
+    """h + delta [N, H] (the layer's input) -> (that input, the q/k/v projection of its RMSNorm
+    [N, (Hq + 2 Hkv) D]): on a GPU the heads' norms, rotations and the cache write then take one
+    launch (`kernels.qk_rope_write`)."""
+    h = add_residual(h, delta)
+    return h, F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+
+
 def project_qkv(h, delta, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, n_heads: int, n_kv: int,
                 head_dim: int, eps: float):
     """h + delta [N, H] (the layer's input) -> (that input, q [N, Hq, D], k [N, Hkv, D] (normed,
     rotated), v [N, Hkv, D])."""
-    h = add_residual(h, delta)
+    h, qkv = norm_qkv(h, delta, norm_w, qkv_w, qkv_b, eps)
     n = h.shape[0]
-    qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
     q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
     q, k, v = q.view(n, n_heads, head_dim), k.view(n, n_kv, head_dim), v.view(n, n_kv, head_dim)
     if q_norm_w is not None:
@@ -127,6 +134,7 @@ class LayerOps:
     def __init__(self, compiled: bool):
         if compiled:
             self.project_qkv = torch.compile(project_qkv, dynamic=True, fullgraph=True)
+            self.norm_qkv = torch.compile(norm_qkv, dynamic=True, fullgraph=True)
             self.finish_layer = torch.compile(finish_layer, dynamic=True, fullgraph=True)
             self.project_qkv_split = torch.compile(project_qkv_split, dynamic=True, fullgraph=True)
             self.project_kv = torch.compile(project_kv, dynamic=True, fullgraph=True)
@@ -138,6 +146,7 @@ class LayerOps:
         else:
             self.project_kv, self.project_context_kv = project_kv, project_context_kv
             self.project_qkv, self.finish_layer, self.rms_norm = project_qkv, finish_layer, rms_norm
+            self.norm_qkv = norm_qkv
             self.project_qkv_split, self.final_norm = project_qkv_split, final_norm
             self.mask_bias, self.block_masks = mask_bias, block_masks
 

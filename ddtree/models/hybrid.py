@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels import gdn_prefill
+from ddtree.kernels import gdn_prefill, qk_rope_write
 from ddtree.kv_cache import KVCache
 from ddtree.models import gated_deltanet as gdn
 from ddtree.models.configs import TargetConfig
@@ -87,16 +87,21 @@ def add_and_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def attention_inputs(qg, k, q_norm, k_norm, cos, sin, n_heads: int, n_kv: int, head_dim: int, eps: float):
     """The gated attention's projections qg [N, Hq * 2D], k [N, Hkv * D] -> q [N, Hq, D] and k
-    [N, Hkv, D] (normed, rotated), gate [N, Hq * D]."""
-    n = qg.shape[0]
-    q, gate = qg.view(n, n_heads, 2 * head_dim).chunk(2, dim=-1)
+    [N, Hkv, D] (normed, rotated), gate [N, Hq, D] (a view of qg)."""
+    q, gate = query_and_gate(qg, n_heads, head_dim)
     q = rotate(zero_centred_rms_norm(q, q_norm, eps), cos, sin)
-    k = rotate(zero_centred_rms_norm(k.view(n, n_kv, head_dim), k_norm, eps), cos, sin)
-    return q, k, gate.reshape(n, n_heads * head_dim)
+    k = rotate(zero_centred_rms_norm(k.view(qg.shape[0], n_kv, head_dim), k_norm, eps), cos, sin)
+    return q, k, gate
+
+
+def query_and_gate(qg, n_heads: int, head_dim: int):
+    """qg [N, Hq * 2D] (each head's query, then its gate) -> views q, gate [N, Hq, D]."""
+    return qg.view(qg.shape[0], n_heads, 2 * head_dim).chunk(2, dim=-1)
 
 
 def gated_output(attn, gate):
-    return attn * torch.sigmoid(gate)
+    """attn [N, Hq * D], gate [N, Hq, D] (any strides) -> attn * sigmoid(gate) [N, Hq * D]."""
+    return (attn.reshape(gate.shape) * torch.sigmoid(gate)).flatten(1)
 
 
 def conv_silu(taps, weight):
@@ -228,9 +233,17 @@ class GatedAttention(nn.Module):
         """x [N, H] (normed) -> [N, H]."""
         n = x.shape[0]
         qg, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
-        q, k, gate = ops.attention_inputs(qg, k, self.q_norm, self.k_norm, cos, sin, self.n_heads, self.n_kv,
-                                          self.head_dim, self.eps)
-        keys, values = cache.write(self.kv_index, meta.write_slots, k, v.view(n, self.n_kv, self.head_dim), meta.kv_len)
+        if qk_rope_write.supported(x, cache.k[self.kv_index]):  # norms, rotations and cache write in one launch
+            q, gate = query_and_gate(qg, self.n_heads, self.head_dim)
+            q = qk_rope_write.qk_rope_write(q, k.view(n, self.n_kv, self.head_dim), v.view(n, self.n_kv, self.head_dim),
+                                            self.q_norm, self.k_norm, cos, sin, self.eps, meta.write_slots,
+                                            cache.k[self.kv_index], cache.v[self.kv_index], centred=True)
+            keys, values = cache.layer(self.kv_index, meta.kv_len)
+        else:
+            q, k, gate = ops.attention_inputs(qg, k, self.q_norm, self.k_norm, cos, sin, self.n_heads, self.n_kv,
+                                              self.head_dim, self.eps)
+            keys, values = cache.write(self.kv_index, meta.write_slots, k, v.view(n, self.n_kv, self.head_dim),
+                                       meta.kv_len)
         out = ops.gated_output(attend(q, keys, values, meta, self.scale), gate)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddtree.kernels import qk_rope_write
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops
@@ -44,11 +45,20 @@ class TargetLayer(nn.Module):
         the embeddings) -> (this layer's input h + delta, and its own output as (h, delta))."""
         a, mlp = self.self_attn, self.mlp
         eps = self.input_layernorm.eps
-        x, q, k, v = ops.project_qkv(
-            h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
-            a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
-            cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
-        keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
+        q_norm = a.q_norm.weight if a.q_norm is not None else None
+        k_norm = a.k_norm.weight if a.k_norm is not None else None
+        if qk_rope_write.supported(h, cache.k[a.layer_idx]):  # the heads' norms, rotations and cache write in one launch
+            x, qkv = ops.norm_qkv(h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, eps)
+            n, d = qkv.shape[0], a.head_dim
+            q, k, v = qkv.split([a.n_heads * d, a.n_kv * d, a.n_kv * d], dim=-1)
+            q = qk_rope_write.qk_rope_write(q.view(n, a.n_heads, d), k.view(n, a.n_kv, d), v.view(n, a.n_kv, d), q_norm,
+                                            k_norm, cos, sin, eps, meta.write_slots, cache.k[a.layer_idx],
+                                            cache.v[a.layer_idx])
+            keys, values = cache.layer(a.layer_idx, meta.kv_len)
+        else:
+            x, q, k, v = ops.project_qkv(h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+                                         q_norm, k_norm, cos, sin, a.n_heads, a.n_kv, a.head_dim, eps)
+            keys, values = cache.write(a.layer_idx, meta.write_slots, k, v, meta.kv_len)
         attn = attend(q, keys, values, meta, a.scale, ops.mask_bias)
         return x, *ops.finish_layer(x, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
