@@ -306,15 +306,14 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
           STAGES: gl.constexpr, TAIL: gl.constexpr):
     """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL).
 
-    Its products run at most at the pace of one small MMA's latency a tile, slower than the
-    consumers', and it holds the ring's slots as they do: where one program took all of a split's
-    tiles for the tail, that program set the kernel's time (65 tokens, 8B heads over 32k keys:
-    72.8 against 61.8 us at 64 tokens, which have no tail). So the split's tiles are shared out:
-    each of the KV head's row-block programs takes a run of them for the tail ([lo, hi)) and
-    releases the others' slots unread; each writes its unnormalised partial (o^T, the running
-    maximum, the sum) to part_o / part_ml, and the last of them to arrive (count_ptr, one counter
-    per KV head, split and batch row, left at zero for the next launch) merges them into the split's
-    output."""
+    The split's tiles are shared out: each of the KV head's row-block programs takes a run of them
+    for the tail ([lo, hi)) and releases the others' slots unread; each writes its unnormalised
+    partial (o^T, the running maximum, the sum) to part_o / part_ml, and the last of them to arrive
+    (count_ptr, one counter per KV head, split and batch row, left at zero for the next launch)
+    merges them into the split's output. The tail costs its programs about as much however its
+    tiles are shared (H200, 65 tokens, 8B heads over 32k keys, against 59.9 us at 64 tokens, which
+    have no tail: all of a split's tiles in one program 70.6 us, runs 71.5-71.8, every other tile
+    in turn 71.9; benchmarks/README.md, "The 65th token's cost")."""
     _inputs_ready()
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
