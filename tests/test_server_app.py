@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -73,6 +74,11 @@ def test_engine_failure_is_a_500_then_503_and_reported(demo_pair, batched):
         request_id = first.headers["x-request-id"]
         assert request_id in first.json()["error"]["message"] and "device lost" not in first.text
         assert first.json()["error"]["code"] == "internal_error"
+        # The engine thread reports the death after the failures it emits (`EngineWorker._fail`),
+        # so the response may arrive first.
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(deaths) == 1 and "device lost" in str(deaths[0])
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "error"
