@@ -12,7 +12,7 @@ bucket, in the engine's form (prefix length + the tree's block mask): microsecon
 `F.scaled_dot_product_attention` with the mask as an additive bias (the path the kernel
 replaced), beside the floor max(KV bytes / bandwidth, FLOPs / peak) at this GPU's measured copy
 bandwidth and bf16 matmul rate. Prints the fastest tiling per N. `--cudnn-prefix` also times the
-default tiling with the prefix's first keys through cuDNN (`tree_attention.cudnn_prefix`, switched
+default tiling with the prefix's first keys through cuDNN (`attention_libraries.cudnn_prefix`, switched
 on for the call), below min_prefix = the context (`context`) or the least committed length a
 round's front graph at this KV length serves (`round`: a 256-slot bucket, the tree and a block of
 16's keep below it, as `Engine._min_prefix` gives), so that the kernel's part holds the keys a
@@ -38,8 +38,9 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels import tree_attention
-from ddtree.kernels.tree_attention import DEFAULT, LONG, AttentionConfig, masked_attention, prefix_block_mask
+from ddtree.kernels import attention_libraries
+from ddtree.kernels.attention_plan import DEFAULT, LONG, AttentionConfig
+from ddtree.kernels.tree_attention import masked_attention, prefix_block_mask
 from ddtree.tree import build_tree
 
 CONTEXT, BUCKET, HQ, HKV, D = 512, 256, 32, 8, 128
@@ -88,11 +89,11 @@ def cudnn_prefix_us(q, k, v, block, prefix, bound: str) -> float:
     call), below the context or below the engine's bound for a round at this KV length."""
     n = q.shape[0]
     least = CONTEXT if bound == "context" else max(0, k.shape[0] - BUCKET - n + 1 - 16)
-    tree_attention.CUDNN_PREFIX = True
+    attention_libraries.CUDNN_PREFIX = True
     try:
         return call_us(lambda: masked_attention(q, k, v, block, D**-0.5, prefix_len=prefix, min_prefix=least))
     finally:
-        tree_attention.CUDNN_PREFIX = False
+        attention_libraries.CUDNN_PREFIX = False
 
 
 def main() -> None:

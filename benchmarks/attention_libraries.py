@@ -13,7 +13,7 @@ events around 20 calls; `graph` records whether the call could be captured in a 
 engine's rounds are graphs). Our kernel is timed as the engine calls it (prefix length as a device
 scalar plus the tree's block mask), by graph replay. Microseconds per layer beside the floor
 max(KV bytes / bandwidth, 4 N ctx D Hq / bf16 rate) and the executed TFLOP/s. `cudnn_folded_S_chunks`:
-cuDNN over the keys cut into S chunks run as a batch (`tree_attention.cudnn_prefix`), whose S
+cuDNN over the keys cut into S chunks run as a batch (`attention_libraries.cudnn_prefix`), whose S
 partial sums a merge still has to combine.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import cudnn_prefix, masked_attention
+from ddtree.kernels.attention_libraries import cudnn_prefix
+from ddtree.kernels.tree_attention import masked_attention
 from ddtree.tree import build_tree
 
 
@@ -85,7 +86,7 @@ def library_calls(q, k, v, hkv: int, scale: float) -> dict:
     used = torch.tensor([k.shape[0]], dtype=torch.int32, device=q.device)
     calls["flash2_varlen_folded"] = lambda: torch.ops.aten._flash_attention_forward(
         q_rows, k, v, cum_q, cum_k, q_rows.shape[0], k.shape[0], 0.0, False, False, scale=scale, seqused_k=used)
-    # cuDNN with the keys cut into chunks run as a batch (`tree_attention.cudnn_prefix`): more programs
+    # cuDNN with the keys cut into chunks run as a batch (`attention_libraries.cudnn_prefix`): more programs
     # than KV heads x row tiles; its partial sums still need merging (the kernel's combine does that).
     for chunks in (2, 4, 8, 16):
         calls[f"cudnn_folded_{chunks}_chunks"] = lambda chunks=chunks: cudnn_prefix(q, k, v, k.shape[0], chunks, scale)

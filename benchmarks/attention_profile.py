@@ -5,7 +5,7 @@ partial sums are many, the combine), per layer, as a verify sees them: one call 
     python benchmarks/attention_profile.py OUT.json [--heads 24,4,256] [--context 8192] [--tokens 1,17,65]
         [--layers 16] [--variants default,pps1,pps2,pps4,tiled]
 
-Variants of each shape's own tiling (`tree_attention.tiling`): `default` as it is, `ppsK` with K
+Variants of each shape's own tiling (`attention_plan.tiling`): `default` as it is, `ppsK` with K
 programs per SM (the key splits follow), `tiled` / `split` with the combine launch's tiled or
 split-at-a-time form forced (`AttentionConfig.combine_tiled`; by default tiled only for one
 token). Trees as benchmarks/attention_configs.py makes them. GPU only.

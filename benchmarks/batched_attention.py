@@ -30,7 +30,8 @@ from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.engine import capture_graph
-from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention, plan, plan_rows, row_items, tiling
+from ddtree.kernels.attention_plan import plan, plan_rows, row_items, tiling
+from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention
 from ddtree.tree import build_tree
 
 MIXED = (100, 3000, 17, 40000)

@@ -23,7 +23,7 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   block's columns, merged in its combine launch); `gluon_whole_no_pdl`: the kernel and the combine
   launched after the launch before each has ended, not as programmatic dependent launches;
   `gluon_whole_unbalanced`: the first split taking its whole share of the prefix besides the block;
-- `cudnn_chunks`: `tree_attention.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
+- `cudnn_chunks`: `attention_libraries.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
 the combine launch.
@@ -39,9 +39,10 @@ import torch
 from benchmarks.attention_configs import call_us
 from benchmarks.round_latency import measure_ceilings
 from ddtree.bench.machine import git_revision, results_path
-from ddtree.kernels import tree_attention
+from ddtree.kernels import attention_libraries
 from ddtree.kernels import prefix_attention_sm90 as sm90
-from ddtree.kernels.tree_attention import cudnn_prefix, cudnn_splits, masked_attention
+from ddtree.kernels.attention_libraries import cudnn_prefix, cudnn_splits
+from ddtree.kernels.tree_attention import masked_attention
 from ddtree.tree import build_tree
 
 
@@ -81,21 +82,22 @@ def main() -> None:
             flops = 4 * n * context * d * hq
             row = {"context": context, "tokens": n, "floor_us": flops / ceilings["bf16_flops"] * 1e6,
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
-            switch, tree_attention.GLUON_PREFIX = tree_attention.GLUON_PREFIX, True
+            switch, attention_libraries.GLUON_PREFIX = attention_libraries.GLUON_PREFIX, True
             picked = sm90.tiling
-            fold = tree_attention.GLUON_BLOCK
+            fold = attention_libraries.GLUON_BLOCK
             try:  # the Gluon path whatever the rows (the engine's takes it from GLUON_MIN_ROWS on)
-                minimum, tree_attention.GLUON_MIN_ROWS = tree_attention.GLUON_MIN_ROWS, {64: 1, 128: 1, 256: 1}
+                minimum = attention_libraries.GLUON_MIN_ROWS
+                attention_libraries.GLUON_MIN_ROWS = {64: 1, 128: 1, 256: 1}
                 for key, block_in_gluon, override in GLUON_WHOLE:
-                    tree_attention.GLUON_BLOCK = block_in_gluon
+                    attention_libraries.GLUON_BLOCK = block_in_gluon
                     sm90.tiling = lambda *a, override=override: picked(*a) | override  # noqa: E731
                     row[key] = call_us(
                         lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context))
             except Exception as error:
                 row["gluon_whole_error"] = f"{type(error).__name__}: {str(error)[:300]}"
             finally:
-                tree_attention.GLUON_PREFIX, tree_attention.GLUON_MIN_ROWS = switch, minimum
-                tree_attention.GLUON_BLOCK, sm90.tiling = fold, picked
+                attention_libraries.GLUON_PREFIX, attention_libraries.GLUON_MIN_ROWS = switch, minimum
+                attention_libraries.GLUON_BLOCK, sm90.tiling = fold, picked
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ddtree.kernels import gdn_tree, tree_attention
+from ddtree.kernels import attention_libraries, gdn_tree, tree_attention
 from ddtree.tree import build_tree
 
 CONTEXT = 8192
@@ -25,7 +25,8 @@ SMS = 132  # an H200's (and H100 SXM's): the attention's key splits follow it
 
 @pytest.fixture(autouse=True)
 def _gpu_sm_count(monkeypatch):
-    monkeypatch.setattr(tree_attention, "_sm_count", lambda device: SMS)
+    monkeypatch.setattr(tree_attention, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(attention_libraries, "sm_count", lambda device: SMS)
 
 
 def _tree(n: int) -> torch.Tensor:

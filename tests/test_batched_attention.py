@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
 from test_tree_attention import reference, tree_mask  # noqa: E402
 
-from ddtree.kernels import tree_attention  # noqa: E402
-from ddtree.kernels.tree_attention import (  # noqa: E402
-    AttentionConfig, batched_masked_attention, masked_attention, prefix_block_mask)
+from ddtree.kernels import attention_combine, attention_libraries, attention_plan, tree_attention  # noqa: E402
+from ddtree.kernels.attention_plan import AttentionConfig  # noqa: E402
+from ddtree.kernels.tree_attention import batched_masked_attention, masked_attention, prefix_block_mask  # noqa: E402
 from ddtree.models.layers import AttentionMeta, RowSpan, attend, attend_padded  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -133,13 +133,13 @@ def test_a_long_row_among_short_ones_gets_the_programs(prefixes, plan, fold, mon
     and gives each short row one (the uniform split would give every row the same over max_kv);
     every row equals float64 attention, its partials merged by its last item (fold) or by the
     combine launch."""
-    monkeypatch.setattr(tree_attention, "_sm_count", lambda device: 8)  # the plans below: 8 SMs (a GPU has more)
+    monkeypatch.setattr(tree_attention, "sm_count", lambda device: 8)  # the plans below: 8 SMs (a GPU has more)
     m, batch = 5, len(prefixes)
     config = AttentionConfig(fold_combine=fold, balance_rows=True)  # by default from BALANCE_MIN_KEYS keys on
     q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=21, strided=True)
-    block_m, slots = tree_attention.plan_rows(m * 2, 2, batch, row_slots, tree_attention._sm_count(q.device), config)
+    block_m, slots = attention_plan.plan_rows(m * 2, 2, batch, row_slots, tree_attention.sm_count(q.device), config)
     assert slots == 8
-    assert tree_attention.row_items([p + m for p in prefixes], config.block_n, slots) == plan
+    assert attention_plan.row_items([p + m for p in prefixes], config.block_n, slots) == plan
     blk = block_masks(m, batch, "tree", seed=2)
     prefix = torch.tensor(prefixes, device=DEVICE)
     for _ in range(2):  # the arrival counters left at zero
@@ -154,11 +154,11 @@ def test_rows_past_the_folds_reach_go_to_the_combine_launch(monkeypatch):
     slots the long row's 12 items go to the combine launch, which skips the rows the
     attention launch wrote (one item each, written whole); all equal float64 attention."""
     launches = []
-    original = tree_attention._launch_combine
-    monkeypatch.setattr(tree_attention, "_launch_combine", lambda *a: launches.append(a[-1]) or original(*a))
+    original = attention_combine.launch_combine
+    monkeypatch.setattr(attention_combine, "launch_combine", lambda *a: launches.append(a[-1]) or original(*a))
     m, prefixes = 5, [700, 5, 30]
     q, k, v, first, row_slots = batch_inputs(m, 4, 2, 16, prefixes, torch.float32, seed=22)
-    assert [x[1] for x in tree_attention.row_items([p + m for p in prefixes], 64, 20)] == [12, 1, 1]
+    assert [x[1] for x in attention_plan.row_items([p + m for p in prefixes], 64, 20)] == [12, 1, 1]
     blk = block_masks(m, 3, "tree", seed=5)
     got = batched_masked_attention(q, k, v, blk, 0.25, torch.tensor(prefixes, device=DEVICE), first,
                                    max_kv=row_slots, config=AttentionConfig(block_m=64, balance_rows=True), splits=20)
@@ -186,7 +186,7 @@ def test_by_default_the_split_follows_the_rows_from_a_long_bound_on():
     prefix = torch.tensor(prefixes, device=DEVICE)
     tree_attention._attention = Spy()
     try:
-        for max_kv in (tree_attention.BALANCE_MIN_KEYS - 1, tree_attention.BALANCE_MIN_KEYS):
+        for max_kv in (attention_plan.BALANCE_MIN_KEYS - 1, attention_plan.BALANCE_MIN_KEYS):
             k_long = torch.cat([k, torch.zeros(max_kv, 2, 16, device=DEVICE)])  # room for the bound
             v_long = torch.cat([v, torch.zeros(max_kv, 2, 16, device=DEVICE)])
             got = batched_masked_attention(q, k_long, v_long, blk, 0.25, prefix, first, max_kv=max_kv, splits=3)
@@ -214,7 +214,7 @@ def test_row_items_cover_each_rows_keys_once():
         if trial % 5 == 0:
             keys = [keys[0]] * batch  # rows of equal keys
         slots = int(torch.randint(1, 40, (1,), generator=gen))
-        items = tree_attention.row_items(keys, 64, slots)
+        items = attention_plan.row_items(keys, 64, slots)
         first = 0
         tiles = [max(1, -(-k // 64)) for k in keys]
         for t, (row_first, count, span) in zip(tiles, items):
@@ -223,9 +223,9 @@ def test_row_items_cover_each_rows_keys_once():
         assert first <= slots + batch
         if len(set(keys)) == 1 and batch <= slots:
             assert first <= slots
-        bound = tree_attention.chunk_within(tiles, slots + batch)
+        bound = attention_plan.chunk_within(tiles, slots + batch)
         if batch <= slots:
-            bound = max(bound, tree_attention.chunk_within(tiles, slots))
+            bound = max(bound, attention_plan.chunk_within(tiles, slots))
         assert max(span for _, _, span in items) <= bound
 
 
@@ -240,8 +240,8 @@ def test_row_items_on_the_device_match_the_host():
     @triton.jit
     def plan_kernel(prefix_ptr, out_ptr, batch, block_cols, max_keys, slots, BLOCK_N: tl.constexpr,
                     BATCH_P: tl.constexpr):
-        firsts, counts, spans = tree_attention._row_items(prefix_ptr, batch, block_cols, max_keys, slots, BLOCK_N,
-                                                          BATCH_P)
+        firsts, counts, spans = attention_plan.device_row_items(prefix_ptr, batch, block_cols, max_keys, slots,
+                                                                BLOCK_N, BATCH_P)
         rb = tl.arange(0, BATCH_P)
         tl.store(out_ptr + rb * 3, firsts)
         tl.store(out_ptr + rb * 3 + 1, counts)
@@ -254,7 +254,7 @@ def test_row_items_on_the_device_match_the_host():
         out = torch.full((batch_p, 3), -1, dtype=torch.int32, device=DEVICE)
         plan_kernel[(1,)](torch.tensor(prefixes, device=DEVICE), out, len(prefixes), cols, max_keys, slots,
                           BLOCK_N=64, BATCH_P=batch_p)
-        want = tree_attention.row_items([min(p + cols, max_keys) for p in prefixes], 64, slots)
+        want = attention_plan.row_items([min(p + cols, max_keys) for p in prefixes], 64, slots)
         assert out[:len(prefixes)].tolist() == [list(x) for x in want]
         assert not out[len(prefixes):, 1:].any()
 
@@ -508,9 +508,9 @@ def test_a_gluon_kernel_that_fails_on_a_batch_leaves_the_triton_kernel(monkeypat
         seen.append((tuple(q.shape), tuple(block.shape), tuple(first_slot.shape), tuple(prefix_len.shape), max_keys))
         raise RuntimeError("this Gluon does not build the kernel")
 
-    monkeypatch.setattr(tree_attention, "_GLUON_FAILED", set())
-    monkeypatch.setattr(tree_attention, "_gluon_prefix", lambda q, k, v, min_prefix, tokens=None:
-                        (q.dtype, q.shape[-1]) not in tree_attention._GLUON_FAILED)
+    monkeypatch.setattr(attention_libraries, "_GLUON_FAILED", set())
+    monkeypatch.setattr(attention_libraries, "_gluon_prefix", lambda q, k, v, min_prefix, tokens=None:
+                        (q.dtype, q.shape[-1]) not in attention_libraries._GLUON_FAILED)
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", failing)
     m, hq, hkv, d, prefixes = 5, 4, 2, 16, [40, 0, 23]
     q, k, v, first, row_slots = batch_inputs(m, hq, hkv, d, prefixes, torch.float32, seed=11)

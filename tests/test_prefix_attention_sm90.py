@@ -110,11 +110,11 @@ def test_the_block_written_just_before_is_the_one_read(pdl, monkeypatch):
     dependent launches (`PDL`, or not): eagerly and replayed as a graph after new keys, values and
     queries are in place, the block's keys and values are those just written and the queries the
     new ones, for the kernel's partials and for `masked_attention`'s whole path."""
-    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.kernels import attention_libraries, prefix_attention_sm90, tree_attention
     from ddtree.kernels.kv_write import write_kv
 
     monkeypatch.setattr(prefix_attention_sm90, "PDL", pdl)
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
     _, hkv, d = HEADS[0]
     n, context = 65, 32768
     q, k, v = inputs(n, HEADS[0], context + n + 300)
@@ -199,10 +199,10 @@ def test_masked_attention_with_the_gluon_prefix(heads, context, n, fold, monkeyp
     tree's block (or, GLUON_BLOCK off, the Triton kernel over the block), one combine: equal to
     float64, eagerly and as a graph replayed after the prefix length and the tree changed on the
     device."""
-    from ddtree.kernels import tree_attention
+    from ddtree.kernels import attention_libraries, tree_attention
 
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
-    monkeypatch.setattr(tree_attention, "GLUON_BLOCK", fold)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_BLOCK", fold)
     keys = context + n + 300
     q, k, v = inputs(n, heads, keys)
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -229,10 +229,10 @@ def test_a_prefill_chunk_attends_through_the_gluon_prefix(heads, chunk, length, 
     attention over the chunk's own keys (no Triton attention launch), equal to float64; and the
     same chunk with the Triton kernel over its block."""
     from ddtree.engine import prefill_chunks
-    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.kernels import attention_libraries, prefix_attention_sm90, tree_attention
     from ddtree.models.layers import attend
 
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
     calls = []
     kernel = prefix_attention_sm90.prefix_attention
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
@@ -248,10 +248,10 @@ def test_a_prefill_chunk_attends_through_the_gluon_prefix(heads, chunk, length, 
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
     assert calls == [1] and launches == []
     meta.chunk = False  # a verify's form: the block through the mask, in the Gluon launch or the Triton kernel
-    monkeypatch.setattr(tree_attention, "GLUON_BLOCK_MAX_COLS", c)
+    monkeypatch.setattr(attention_libraries, "GLUON_BLOCK_MAX_COLS", c)
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
     assert calls == [1, 1] and launches == []
-    monkeypatch.setattr(tree_attention, "GLUON_BLOCK", False)
+    monkeypatch.setattr(attention_libraries, "GLUON_BLOCK", False)
     torch.testing.assert_close(attend(q, k, v, meta, scale).double(), want, atol=2e-2, rtol=0)
     assert calls == [1, 1, 1] and launches == [1]
 
@@ -260,10 +260,10 @@ def test_a_batched_prefill_chunk_attends_alone(monkeypatch):
     """The batched engine's prefill chunk (one row of a packed forward, its meta from
     `prefill_chunks`) attends as the solo engine's: alone, through the Gluon prefix, equal to it."""
     from ddtree.engine import prefill_chunks
-    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.kernels import attention_libraries, prefix_attention_sm90
     from ddtree.models.layers import AttentionMeta, RowSpan, attend
 
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
     calls = []
     kernel = prefix_attention_sm90.prefix_attention
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
@@ -291,9 +291,9 @@ def test_a_batchs_rows_in_one_launch_equal_float64(heads, n, monkeypatch):
     splits are empty), each token seeing its row's prefix and its tree's block, equal to float64 row
     by row; eagerly and replayed as a graph after the prefix lengths changed on the device (one row
     to no prefix at all)."""
-    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.kernels import attention_libraries, prefix_attention_sm90, tree_attention
 
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
     calls = []
     kernel = prefix_attention_sm90.prefix_attention
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention",

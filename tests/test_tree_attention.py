@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
-from ddtree.kernels.tree_attention import (  # noqa: E402
-    DEFAULT, LONG, LONG_256, MID_256, AttentionConfig, key_range, masked_attention, plan, prefix_block_mask, tiling)
+from ddtree.kernels.attention_plan import (  # noqa: E402
+    DEFAULT, LONG, LONG_256, MID_256, AttentionConfig, plan, tiling)
+from ddtree.kernels.tree_attention import key_range, masked_attention, prefix_block_mask  # noqa: E402
 from ddtree.tree import build_tree  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -243,7 +244,7 @@ def test_head_dim_256_tilings_equal_reference(n, context):
 
 
 def library_partials(q, k, v, keys, splits, scale):
-    """`tree_attention.cudnn_prefix`'s outputs made in float64 by PyTorch: each chunk's normalised
+    """`attention_libraries.cudnn_prefix`'s outputs made in float64 by PyTorch: each chunk's normalised
     output [splits, Hkv, rows, D] in q's dtype and its natural-log denominators [splits, Hkv, rows]."""
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -270,7 +271,7 @@ def test_partials_with_the_block_merge_alone(n, hq, hkv, d, context, lib_splits)
     """The Gluon kernel's partials with the tree's block in its first split (here its float64
     reference, `prefix_attention_sm90.reference`) merged by the combine launch with no split of its
     own (`_merge_library`): the whole attention, against float64."""
-    from ddtree.kernels import tree_attention
+    from ddtree.kernels import attention_libraries
     from ddtree.kernels.prefix_attention_sm90 import reference as gluon_reference
 
     kv_len = context + n + 11
@@ -279,7 +280,7 @@ def test_partials_with_the_block_merge_alone(n, hq, hkv, d, context, lib_splits)
     block = mask[:, context:context + n].contiguous()
     max_keys = context + 64 if lib_splits < 7 else 2 * context
     o, lse = gluon_reference(q, k, v, context, max_keys, lib_splits, d**-0.5, block=block)
-    got = tree_attention._merge_library(q, o.to(q.dtype), lse.float(), n, None)
+    got = attention_libraries._merge_library(q, o.to(q.dtype), lse.float(), n, None)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
@@ -331,7 +332,7 @@ def test_a_causal_block_merges_with_the_whole_prefix(n, hq, hkv, d, context, lib
     """A prefill chunk's own keys (`_causal_block`: cuDNN's causal attention on a GPU, here float64 in
     its layout, head-major) merged with the whole prefix's partials (the Gluon kernel's layout, rows
     token-major) by the combine launch: the chunk's attention over prefix + itself causally."""
-    from ddtree.kernels import tree_attention
+    from ddtree.kernels import attention_libraries
 
     def causal(q, k, v, scale):  # cuDNN's outputs, in float64: o [Hq, N, D], lse [Hq, N]
         group = q.shape[1] // k.shape[1]
@@ -340,11 +341,11 @@ def test_a_causal_block_merges_with_the_whole_prefix(n, hq, hkv, d, context, lib
         o = torch.einsum("hnt,thd->hnd", torch.softmax(logits, -1), v.double().repeat_interleave(group, 1))
         return o.to(q.dtype), torch.logsumexp(logits, -1).float()
 
-    monkeypatch.setattr(tree_attention, "_cudnn_causal", causal)
+    monkeypatch.setattr(attention_libraries, "_cudnn_causal", causal)
     kv_len = context + n + 11
     q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + context, strided_cache=True)
     o, lse = library_partials(q, k, v, context, lib_splits, d**-0.5)
-    got = tree_attention._causal_block(q, k[context:context + n], v[context:context + n], d**-0.5, (o, lse, None))
+    got = attention_libraries._causal_block(q, k[context:context + n], v[context:context + n], d**-0.5, (o, lse, None))
     mask = torch.zeros(n, kv_len, dtype=torch.bool, device=DEVICE)
     mask[:, :context] = True
     mask[:, context:context + n] = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()
@@ -354,7 +355,7 @@ def test_a_causal_block_merges_with_the_whole_prefix(n, hq, hkv, d, context, lib
 def test_cudnn_splits_by_head_dim():
     """16 chunks at head_dim <= 128; one wave of 128-row programs at 256 (the H200's best); never
     chunks under 512 keys; always a power of two."""
-    from ddtree.kernels.tree_attention import cudnn_splits
+    from ddtree.kernels.attention_libraries import cudnn_splits
     assert cudnn_splits(rows=260, kv_heads=8, head_dim=128, keys=32768, sms=132) == 16
     assert cudnn_splits(rows=390, kv_heads=4, head_dim=256, keys=8192, sms=132) == 8
     assert cudnn_splits(rows=1542, kv_heads=4, head_dim=256, keys=8192, sms=132) == 2
@@ -371,17 +372,17 @@ def test_cudnn_prefix_bf16_and_graph(context, n, heads, monkeypatch):
     min_prefix given): equal to float64 attention and close to the kernel alone; a CUDA-graph
     replay equals the eager call exactly, and follows the cache's contents."""
     from ddtree.engine import capture_graph
-    from ddtree.kernels import tree_attention
+    from ddtree.kernels import attention_libraries
 
     hq, hkv, d = heads
     kv_len = -(-(context + n) // 256) * 256
     q, k, v = inputs(n, hq, hkv, d, kv_len, torch.bfloat16, seed=context + n, strided_cache=True)
     mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
     block, prefix = mask[:, context:context + n].contiguous(), torch.tensor(context, device=DEVICE)
-    monkeypatch.setattr(tree_attention, "CUDNN_PREFIX", True)
-    monkeypatch.setattr(tree_attention, "GLUON_PREFIX", False)  # it would take the whole prefix first
-    least = context - 300 if context - 300 >= tree_attention.CUDNN_MIN_KEYS else context
-    assert tree_attention._cudnn_keys(q, k, least) == least // 1024 * 1024
+    monkeypatch.setattr(attention_libraries, "CUDNN_PREFIX", True)
+    monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", False)  # it would take the whole prefix first
+    least = context - 300 if context - 300 >= attention_libraries.CUDNN_MIN_KEYS else context
+    assert attention_libraries._cudnn_keys(q, k, least) == least // 1024 * 1024
     run = lambda: masked_attention(q, k, v, block, d**-0.5, prefix_len=prefix, min_prefix=least)  # noqa: E731
     eager = run()
     want = reference(q, k, v, mask, d**-0.5)
@@ -400,7 +401,7 @@ def test_a_gluon_kernel_that_fails_leaves_the_triton_kernel_to_attend(monkeypatc
     """Where the Gluon prefix kernel fails to build or launch (a Triton whose Gluon differs), the
     verify's attention goes on through the Triton kernel, equal to float64, with a warning; later
     calls at that dtype and head_dim do not try it again."""
-    from ddtree.kernels import prefix_attention_sm90, tree_attention
+    from ddtree.kernels import attention_libraries, prefix_attention_sm90
 
     calls = []
 
@@ -408,9 +409,9 @@ def test_a_gluon_kernel_that_fails_leaves_the_triton_kernel_to_attend(monkeypatc
         calls.append(1)
         raise RuntimeError("this Gluon does not build the kernel")
 
-    monkeypatch.setattr(tree_attention, "_GLUON_FAILED", set())
-    monkeypatch.setattr(tree_attention, "_gluon_prefix",
-                        lambda q, k, v, min_prefix: (q.dtype, q.shape[-1]) not in tree_attention._GLUON_FAILED)
+    monkeypatch.setattr(attention_libraries, "_GLUON_FAILED", set())
+    monkeypatch.setattr(attention_libraries, "_gluon_prefix",
+                        lambda q, k, v, min_prefix: (q.dtype, q.shape[-1]) not in attention_libraries._GLUON_FAILED)
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention", failing)
     n, hq, hkv, d, context = 9, 4, 2, 16, 300
     kv_len = context + n + 11

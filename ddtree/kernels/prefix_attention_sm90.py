@@ -49,7 +49,7 @@ nothing), so the cache past P must hold finite values (the engine's cache is zer
 then holds real keys and values); rows past the cache's end read as zeros. The key and value caches
 are [T, Hkv, D] with the last two dims contiguous (one 2-D TMA view [T, Hkv * D]).
 
-Output, as `tree_attention.cudnn_prefix` gives it, for the combine launch to merge with the rest of
+Output, as `attention_libraries.cudnn_prefix` gives it, for the combine launch to merge with the rest of
 the attention: o [splits, Hkv, N * group, D] in q's dtype, each split's normalised output; lse
 [splits, Hkv, N * group] float32, the natural log of each row's softmax denominator over its split
 (scale applied), -inf for a split with no keys (its o is 0).
