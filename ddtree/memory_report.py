@@ -57,7 +57,7 @@ def describe(pair: PairMemory, free_bytes: int, contexts=CONTEXTS) -> str:
         f"fixed per sequence (recurrent state + conv window): {pair.state_bytes / MiB:.2f} MiB",
         f"round buffers of budget {pair.budget}: {pair.round_bytes / MiB:.2f} MiB; verify logits buffer shared by its "
         f"front graphs: {verify_logits_bytes(pair.target, pair.nodes) / MiB if pair.graphs else 0:.2f} MiB",
-        f"longest context: {longest} tokens (config limit {pair.target.max_position_embeddings})",
+        f"longest context: {longest} tokens (config limit {pair.target.context_limit})",
     ]
     for context in contexts:
         shared, each = pair.shared_bytes(context) / GiB, pair.sequence_bytes(context) / GiB
@@ -81,7 +81,7 @@ def table(free_bytes: int, dtype: str, budget, graphs: bool) -> str:
         pair = PairMemory(*load_pair(target, draft), dtype=dtype, budget=budget, graphs=graphs)
         cells = [label, f"{pair.target_weights / GiB:.2f} + {pair.drafter_weights / GiB:.2f}",
                  f"{kv_split(pair)}", f"{pair.state_bytes / MiB:.1f}",
-                 f"{pair.max_context_tokens(free_bytes):,}", f"{pair.target.max_position_embeddings:,}",
+                 f"{pair.max_context_tokens(free_bytes):,}", f"{pair.target.context_limit:,}",
                  *(f"{pair.max_sequences(free_bytes, c):,}" for c in CONTEXTS)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -39,8 +39,9 @@ def needs_drafter_error(budget: TreeShape) -> DDTreeError:
 
 
 def context_limit(target: TargetConfig, max_model_len: int | None) -> int:
-    """The context limit: `max_model_len` when given (checked against the target's), else the target's."""
-    limit = target.max_position_embeddings
+    """The context limit: `max_model_len` when given (checked against the target's), else the
+    target's (max_position_embeddings, extended by its rope scaling: `TransformerConfig.context_limit`)."""
+    limit = target.context_limit
     if max_model_len is None:
         return limit
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len <= limit:

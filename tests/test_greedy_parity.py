@@ -211,3 +211,24 @@ def test_acceptance_reaches_depth_and_branches(qwen3, monkeypatch):
     assert chain.token_ids == tree.token_ids == expected[:64]
     assert BLOCK in tree.stats.acceptance_lengths, "some round accepts the whole block"
     assert tree.stats.mean_acceptance_length > chain.stats.mean_acceptance_length
+
+
+def test_yarn_target_past_its_max_position_embeddings_equals_transformers(tmp_path):
+    """A YaRN-scaled target (max_position_embeddings 48, factor 4: a context limit of 192) decodes
+    prompts of 70-90 tokens, past 48, token for token as transformers' greedy decoding does, at
+    every budget."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48}
+    s = Setup(tmp_path, "qwen3", kv_heads=2, max_positions=48, rope_scaling=yarn, seed=5)
+    assert s.llm.target.config.context_limit == 192
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    checked = 0
+    for length in (70, 80, 90, 85):
+        prompt = torch.randint(0, s.vocab, (length,), generator=gen).tolist()
+        expected = s.reference(prompt, MAX_TOKENS)
+        if expected is None:
+            continue  # a near tie: float rounding could decide it
+        checked += 1
+        for budget in BUDGETS:
+            assert s.llm.generate(prompt, params, budget).token_ids == expected, f"prompt of {length}, budget {budget}"
+    assert checked >= 2

@@ -82,6 +82,23 @@ def test_logits_match_transformers_prefill_and_step_by_step(hybrid):
 
 
 @torch.no_grad()
+def test_yarn_rope_logits_match_transformers(tmp_path):
+    """YaRN over the partial rotary of the gated attention layers (as Qwen3.6 is extended past its
+    262k tokens): a prefill and a step over the cache equal transformers' logits."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    hf = make_hybrid_target(tmp_path, rope=rope, max_positions=256).double()
+    model = load_target(tmp_path, "cpu", torch.float32, MAX_LEN)
+    assert model.config.rope.rope_type == "yarn" and model.config.context_limit == 256
+    tokens = torch.randint(0, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    reference = hf(tokens[None]).logits[0].float()
+    cache = model.new_cache(MAX_LEN, "cpu", torch.float32)
+    logits, _ = model(tokens[:33], torch.arange(33), prefill_meta(33), cache)
+    torch.testing.assert_close(logits, reference[:33], atol=1e-3, rtol=1e-4)
+    logits, _ = model(tokens[33:], torch.arange(33, 40), step_meta(33, 7), cache)
+    torch.testing.assert_close(logits, reference[33:], atol=1e-3, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_every_tree_node_equals_its_path_replay(hybrid):
     """Verify a random 40-node tree of depth <= 7 at committed length 20; node i's logits must
     equal prefilling context + its root-to-i path, and the verify writes no recurrent state."""

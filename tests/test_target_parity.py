@@ -27,6 +27,11 @@ MAX_POS = 256
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
+# YaRN (static: the same scaled frequencies at every position) at a pretrained length of 64, where
+# its ramp between kept and interpolated frequencies falls inside a 16-dim head's 8.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+YARN_MSCALE_ROPE = {**YARN_ROPE, "factor": 8.0, "mscale": 0.8, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2}
+
 CASES = {
     "qwen3-gqa-single-file": dict(arch="qwen3", kv_heads=2),
     "qwen3-sharded-tied-mqa": dict(arch="qwen3", kv_heads=1, shard=True, tie=True),
@@ -34,6 +39,8 @@ CASES = {
     "llama-gqa-llama3-rope": dict(arch="llama", kv_heads=2, rope_scaling=LLAMA3_ROPE),
     "llama-sharded-tied-mha": dict(arch="llama", heads=4, kv_heads=4, shard=True, tie=True),
     "llama-legacy-rope-fields": dict(arch="llama", kv_heads=2, rope_scaling=LLAMA3_ROPE, legacy_rope=True),
+    "qwen3-yarn-rope": dict(arch="qwen3", kv_heads=2, rope_scaling=YARN_ROPE),
+    "llama-yarn-rope-mscale-legacy": dict(arch="llama", kv_heads=2, rope_scaling=YARN_MSCALE_ROPE, legacy_rope=True),
 }
 
 

@@ -43,13 +43,11 @@ def make_target(
         max_position_embeddings=max_positions, tie_word_embeddings=tie, eos_token_id=eos,
         bos_token_id=None, pad_token_id=None, rms_norm_eps=1e-6,
     )
+    extra = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
     if arch == "qwen3":
-        cfg = Qwen3Config(**common, rope_theta=10000.0)
+        cfg = Qwen3Config(**common, rope_theta=10000.0, **extra)
         model = Qwen3ForCausalLM(cfg)
     else:
-        extra = {}
-        if rope_scaling is not None:
-            extra["rope_scaling"] = rope_scaling
         cfg = LlamaConfig(**common, rope_theta=500000.0, **extra)
         model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -214,12 +212,14 @@ def make_hybrid_target(
     seed: int = 0,
     eos: int | None = 1,
     extra_tensors: bool = True,
+    rope: dict | None = None,
 ):
     """Save a random Qwen3.5-style hybrid target (3 Gated DeltaNet layers per full-attention layer)
     to `path`, as `Qwen3_5ForCausalLM` (layout "causal": weights `model.*`) or as the multimodal
     `Qwen3_5ForConditionalGeneration` (layout "conditional": `model.language_model.*`, a tiny
     vision tower, and with `extra_tensors` a stand-in `mtp.*` head, both of which ddtree ignores).
-    Returns the float32 `Qwen3_5ForCausalLM` (the oracle)."""
+    `rope`: rope parameters over the default ones (a scaling). Returns the float32
+    `Qwen3_5ForCausalLM` (the oracle)."""
     from safetensors.torch import load_file
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
@@ -230,7 +230,7 @@ def make_hybrid_target(
         max_position_embeddings=max_positions, linear_num_key_heads=linear_key_heads,
         linear_num_value_heads=linear_value_heads, linear_key_head_dim=linear_head_dim,
         linear_value_head_dim=linear_head_dim, eos_token_id=eos, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, **(rope or {})},
     )
     model = Qwen3_5ForCausalLM(text)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ HYBRID_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
 # Refused with a one-line error: mixture-of-experts hybrids need expert layers ddtree does not have.
 UNSUPPORTED_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_moe"}
 SUPPORTED_TARGETS = "Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -57,7 +58,11 @@ def _number(value, kind: type, field_name: str, what: str):
 
 @dataclass
 class RopeConfig:
-    """Rotary embedding settings: theta plus optional scaling (`default`, `linear`, `llama3`)."""
+    """Rotary embedding settings, read as transformers reads them: theta plus optional scaling
+    (`default`, `linear`, `llama3`, or `yarn`: YaRN's static form, as vLLM applies it, the same
+    frequencies at every length). For YaRN, `attention_factor` is the one cos and sin are
+    multiplied by (transformers' `attention_scaling`), resolved here from `factor`, `mscale` and
+    `mscale_all_dim` when the config does not give it."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -66,6 +71,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict, what: str, default_partial: float = 1.0) -> "RopeConfig":
@@ -78,17 +87,64 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise DDTreeError(f"{what}: rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        return cls(
+        max_positions = _number(cfg.get("max_position_embeddings", 4096), int, "max_position_embeddings", what)
+        # llama3 and YaRN scale against the length the model was pretrained at: the config's field
+        # (top level first, as Phi-3 writes it), else max_position_embeddings, as transformers reads it.
+        original = cfg.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+        if original is None:
+            original = max_positions if rope_type in ("llama3", "yarn") else 8192
+        original = _number(original, int, "original_max_position_embeddings", what)
+        factor = params.get("factor")
+        if factor is None:  # YaRN without one (DeepSeek-V3's form): the lengths' ratio
+            factor = max_positions / original if rope_type == "yarn" else 1.0
+        factor = _number(factor, float, "rope factor", what)
+        if factor <= 0 or original < 1:
+            raise DDTreeError(f"{what}: rope factor and original_max_position_embeddings must be positive, "
+                              f"got {factor} and {original}")
+        rope = cls(
             theta=_number(theta, float, "rope_theta", what),
             rope_type=rope_type,
-            factor=_number(params.get("factor", 1.0), float, "rope factor", what),
+            factor=factor,
             low_freq_factor=_number(params.get("low_freq_factor", 1.0), float, "low_freq_factor", what),
             high_freq_factor=_number(params.get("high_freq_factor", 4.0), float, "high_freq_factor", what),
-            original_max_position_embeddings=_number(params.get("original_max_position_embeddings", 8192), int,
-                                                     "original_max_position_embeddings", what),
+            original_max_position_embeddings=original,
             partial_rotary_factor=_number(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial)),
                                           float, "partial_rotary_factor", what),
+            beta_fast=_number(params.get("beta_fast") or 32, float, "beta_fast", what),
+            beta_slow=_number(params.get("beta_slow") or 1, float, "beta_slow", what),
+            truncate=bool(params.get("truncate", True)),
         )
+        if rope_type == "yarn":
+            rope.attention_factor = _yarn_attention_factor(params, factor, what)
+        return rope
+
+    def context_limit(self, max_position_embeddings: int) -> int:
+        """The longest context these settings serve, as vLLM derives it: YaRN's pretrained length
+        times its factor, linear scaling's max_position_embeddings times its factor, else
+        max_position_embeddings (llama3 configs already give the extended length there)."""
+        if self.rope_type == "yarn":
+            return int(self.original_max_position_embeddings * self.factor)
+        if self.rope_type == "linear":
+            return int(max_position_embeddings * self.factor)
+        return max_position_embeddings
+
+
+def _yarn_attention_factor(params: dict, factor: float, what: str) -> float:
+    """YaRN's cos/sin multiplier: the config's `attention_factor`, else 0.1 ln(factor) + 1 (scaled
+    by `mscale` over `mscale_all_dim` where both are given, DeepSeek's form)."""
+    if params.get("attention_factor") is not None:
+        value = _number(params["attention_factor"], float, "attention_factor", what)
+        if value <= 0:
+            raise DDTreeError(f"{what}: rope attention_factor must be positive, got {value}")
+        return value
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, _number(m, float, "mscale", what)) / mscale(factor, _number(m_all, float, "mscale_all_dim", what))
+    return mscale(factor)
 
 
 @dataclass
@@ -108,6 +164,12 @@ class TransformerConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the config serves: max_position_embeddings, extended by rope scaling
+        (`RopeConfig.context_limit`)."""
+        return self.rope.context_limit(self.max_position_embeddings)
 
     @staticmethod
     def common_fields(cfg: dict, what: str, default_partial_rotary: float = 1.0) -> dict:

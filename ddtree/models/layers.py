@@ -39,7 +39,27 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (arXiv 2309.00071): the dims that turn fewer than beta_slow times over
+    the pretrained length are interpolated (divided by the factor), those that turn more than
+    beta_fast times are kept, and a linear ramp blends the dims between."""
+    def dim_turning(turns: float) -> float:  # the dim whose wavelength fits the pretrained length `turns` times
+        return (rotary_dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = dim_turning(rope.beta_fast), dim_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width: a step
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryTable(nn.Module):
@@ -53,7 +73,8 @@ class RotaryTable(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rotary_dim = emb.shape[-1]
-        self.register_buffer("cos_sin", torch.cat([emb.cos(), emb.sin()], dim=-1), persistent=False)
+        scale = rope.attention_factor  # YaRN's; 1 otherwise
+        self.register_buffer("cos_sin", torch.cat([emb.cos() * scale, emb.sin() * scale], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> cos, sin [N, rotary_dim] in dtype (views of one gathered [N, 2 * rotary_dim])."""

@@ -147,7 +147,7 @@ def load_target(path: str | Path, device, dtype: torch.dtype, max_positions: int
     cfg = TargetConfig.from_dir(path)
     what = f"target model {path}"
     raw = read_safetensors(path, what)
-    positions = max_positions or cfg.max_position_embeddings
+    positions = max_positions or cfg.context_limit
     model_class = HybridTarget if cfg.hybrid else TargetModel
     with torch.device("meta"):
         model = model_class(cfg, 1)
