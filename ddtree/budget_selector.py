@@ -32,6 +32,17 @@ def context_bucket(tokens: int) -> str:
     return next((name for name, upper in CONTEXT_BUCKETS if tokens <= upper), LONGEST_CONTEXT_BUCKET)
 
 
+def measured_at_or_below(picks: dict, tokens: int):
+    """picks[bucket] for the context bucket of `tokens`, or where that bucket was not measured,
+    that of the longest measured bucket below it (None if none): a tree that did not pay at a
+    shorter context pays less at a longer one, its attention growing with the context."""
+    order = [name for name, _ in CONTEXT_BUCKETS] + [LONGEST_CONTEXT_BUCKET]
+    for name in reversed(order[:order.index(context_bucket(tokens)) + 1]):
+        if name in picks:
+            return picks[name]
+    return None
+
+
 @dataclass
 class _Candidate:
     budget: TreeShape

@@ -18,7 +18,7 @@ import torch
 from ddtree.batch_budget import BatchBudget
 from ddtree.batch_engine import longest_region
 from ddtree.batch_memory import batch_cache_slots
-from ddtree.budget_selector import CANDIDATES, context_bucket
+from ddtree.budget_selector import CANDIDATES, measured_at_or_below
 from ddtree.config import MAX_TREE_BUDGET, DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.engine import PREFILL_CHUNK, Engine, Step
 from ddtree.logprobs import TokenLogprob
@@ -270,14 +270,16 @@ class LLM(RequestChecks):
         """The budget of a request that names none: with `auto_budgets` (--tree-budget auto) its
         temperature bucket's pick, or its context bucket's pick when that is the smaller tree (the
         temperature picks are measured on short prompts, the context picks greedily: each caps the
-        tree where its measurement says a larger one does not pay); else the budget selector's
-        choice for its buckets; else the default."""
+        tree where its measurement says a larger one does not pay; a context bucket not measured,
+        such as the one past 32k that `ddtree tune` leaves by default, takes the cap of the longest
+        measured bucket below it); else the budget selector's choice for its buckets; else the
+        default."""
         if self.auto_budgets is None:
             if self.budget_selector is not None:
                 return self.budget_selector.choose(bucket_of(temperature).name, context_tokens)
             return self.default_budget
         pick = self.auto_budgets.get(bucket_of(temperature).name, self.default_budget)
-        cap = self.auto_context_budgets.get(context_bucket(context_tokens))
+        cap = measured_at_or_below(self.auto_context_budgets, context_tokens)
         if cap is not None and cap.nodes(self.block_size) < pick.nodes(self.block_size):
             return cap
         return pick
