@@ -11,11 +11,12 @@ import shlex
 import sys
 
 from ddtree.config import DDTreeError
-from ddtree.flags import DEVICE, MODEL_DIRECTORY, int_at_least
+from ddtree.flags import DEVICE, MODEL_DIRECTORY, ROPE_SCALING, int_at_least
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--target / --draft / --device / --dtype / --max-model-len, shared by every model-loading command."""
+    """--target / --draft / --device / --dtype / --max-model-len / --rope-scaling, shared by every
+    model-loading command."""
     parser.add_argument("--target", default=None, type=MODEL_DIRECTORY,
                         help="target model directory (Hugging Face format; default: the demo target)")
     parser.add_argument("--draft", default=None, type=MODEL_DIRECTORY,
@@ -27,6 +28,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--max-model-len", type=int_at_least(2), default=None,
                         help="context limit in tokens (default: the target's)")
+    parser.add_argument("--rope-scaling", type=ROPE_SCALING, default=None, metavar="JSON",
+                        help="the target's rope scaling, over its config.json's, e.g. '{\"rope_type\": \"yarn\", "
+                             "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}' (Qwen3 to 131072 "
+                             "tokens); the context limit grows with it")
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:

@@ -119,6 +119,21 @@ def token_counts(text: str) -> list[int]:
     return values
 
 
+def rope_scaling_json(text: str) -> dict:
+    """A JSON object of rope settings with a rope type (`--rope-scaling`, as vLLM's flag), e.g.
+    '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'; what it
+    holds is checked with the target's config (`configs.RopeConfig`)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DDTreeError(f"expected a JSON object of rope settings, got {text!r} ({exc.msg})") from None
+    if not isinstance(value, dict) or not isinstance(value.get("rope_type", value.get("type")), str):
+        raise DDTreeError(f"expected a JSON object with a \"rope_type\", got {text!r}")
+    return value
+
+
 def model_directory(text: str) -> Path:
     """A model folder that exists (what is inside is checked when it loads)."""
     path = Path(text).expanduser()
@@ -133,3 +148,4 @@ POSITIVE_NUMBER = _flag_type(positive_number, "positive number")
 TOP_K = _flag_type(top_k_value, "top-k")
 TOKEN_COUNTS = _flag_type(token_counts, "token counts")
 MODEL_DIRECTORY = _flag_type(model_directory, "model directory")
+ROPE_SCALING = _flag_type(rope_scaling_json, "rope scaling")

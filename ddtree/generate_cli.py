@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
     prompt = _token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else args.prompt
     check_budget_has_drafter(budget, args.target, args.draft)
-    check_pair_configs(args.target, args.draft, args.max_model_len)
+    check_pair_configs(args.target, args.draft, args.max_model_len, args.rope_scaling)
     draft = args.draft or default_drafter(args.target)
     if draft is None and budget is None:
         print(f"ddtree: warning: {no_drafter_warning(args.target)}", file=sys.stderr)
@@ -51,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     use_draft = args.draft is not None or (draft is not None and (budget is None or budget.drafts))
     llm = LLM(args.target, draft, device=args.device, dtype=args.dtype, tree_budget=budget,
-              max_model_len=args.max_model_len, use_draft=use_draft)
+              max_model_len=args.max_model_len, use_draft=use_draft, rope_scaling=args.rope_scaling)
     budget = llm.default_budget
     if args.json:
         result = llm.generate(prompt, params, budget)

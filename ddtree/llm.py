@@ -182,6 +182,7 @@ class LLM(RequestChecks):
         max_num_seqs: int | None = None,
         gpu_memory_utilization: float | None = 0.9,
         kv_cache_tokens: int | None = None,
+        rope_scaling: dict | None = None,
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
@@ -197,7 +198,10 @@ class LLM(RequestChecks):
         gpu_memory_utilization: on CUDA, the share of the device's memory this process may hold in
         all; the batched engine's KV cache takes what the rest leaves (ddtree.batch_memory), so
         that short requests leave room for more of them. kv_cache_tokens: the batched engine's KV
-        slots outright (any device; at least one sequence at the context limit)."""
+        slots outright (any device; at least one sequence at the context limit).
+        rope_scaling: the target's rope scaling over its config.json's (`--rope-scaling`), e.g.
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}; the
+        context limit grows with it (`RopeConfig.context_limit`)."""
         self.target_path = Path(target) if target is not None else DEFAULT_TARGET
         self.draft_path = None
         if use_draft:
@@ -224,13 +228,13 @@ class LLM(RequestChecks):
         # `adapt_batch_budget`).
         self.batch_budget = None
 
-        cfg = TargetConfig.from_dir(self.target_path)
+        cfg = TargetConfig.from_dir(self.target_path, rope_scaling)
         limit = context_limit(cfg, max_model_len)
         if use_draft and self.draft_path is None:
             log.warning(no_drafter_warning(self.target_path))
         self.max_model_len = limit
         positions = limit + MAX_TREE_BUDGET + 1
-        self.target = load_target(self.target_path, self.device, self.dtype, positions)
+        self.target = load_target(self.target_path, self.device, self.dtype, positions, rope_scaling)
         self.drafter = None
         if self.draft_path is not None:
             self.drafter = load_drafter(self.draft_path, cfg, self.device, self.dtype, positions)

@@ -50,10 +50,12 @@ def context_limit(target: TargetConfig, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def check_pair_configs(target: str | Path | None, draft: str | Path | None, max_model_len: int | None = None) -> None:
+def check_pair_configs(target: str | Path | None, draft: str | Path | None, max_model_len: int | None = None,
+                       rope_scaling: dict | None = None) -> None:
     """Everything about a pair that its config.json files decide (the files exist and parse, the
-    drafter fits the target, the context limit fits), in milliseconds and before any weight loads."""
-    target_cfg = TargetConfig.from_dir(target if target is not None else DEFAULT_TARGET)
+    drafter fits the target, the context limit fits), in milliseconds and before any weight loads.
+    rope_scaling: over the target's rope settings (`--rope-scaling`)."""
+    target_cfg = TargetConfig.from_dir(target if target is not None else DEFAULT_TARGET, rope_scaling)
     context_limit(target_cfg, max_model_len)
     if draft is not None:
         DrafterConfig.from_dir(draft).check_against(target_cfg, draft)

@@ -128,6 +128,18 @@ def test_json_stats_per_budget(models, capsys, budget):
     assert all(a >= 1 for a in data["stats"]["acceptance_lengths"])
 
 
+def test_rope_scaling_flag_reaches_past_the_targets_limit(models, capsys):
+    """`--rope-scaling` with YaRN doubles the context limit: a prompt longer than the target's
+    max_position_embeddings decodes, with the drafter, at the flag's --max-model-len."""
+    prompt = ",".join(str(3 + i % 90) for i in range(MAX_POS + 20))
+    code, out, err = run_in_process(capsys, *base_args(models), "--prompt-token-ids", prompt, "--max-tokens", "6",
+                                    "--tree-budget", "4", "--ignore-eos", "--json", "--max-model-len", str(2 * MAX_POS),
+                                    "--rope-scaling", '{"rope_type": "yarn", "factor": 2.0}')
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["token_ids"]) == 6 and len(data["prompt_token_ids"]) == MAX_POS + 20
+
+
 def test_text_prompt_and_plain_output(demo_pair, capsys):
     target, draft = demo_pair
     code, out, err = run_in_process(capsys, "--target", str(target), "--draft", str(draft), "--device", "cpu",
@@ -176,6 +188,13 @@ BAD_ARGS = {
     "prompt-plus-max-tokens-over-context": (["--prompt-token-ids", "5,6,7", "--max-tokens", str(MAX_POS)], "target",
                                             "draft", ["context limit", "max_tokens"]),
     "max-model-len-over-target": (["--max-model-len", str(MAX_POS * 2)], "target", "draft", ["max_model_len"]),
+    "max-model-len-over-rope-scaling": (["--max-model-len", str(MAX_POS * 2 + 1), "--rope-scaling",
+                                         '{"rope_type": "yarn", "factor": 2.0}'], "target", "draft",
+                                        ["max_model_len", str(MAX_POS * 2)]),
+    "rope-scaling-not-json": (["--rope-scaling", "yarn"], "target", "draft", ["--rope-scaling", "JSON object"]),
+    "rope-scaling-without-type": (["--rope-scaling", '{"factor": 4}'], "target", "draft", ["--rope-scaling", "rope_type"]),
+    "rope-scaling-unsupported": (["--rope-scaling", '{"rope_type": "dynamic", "factor": 2}'], "target", "draft",
+                                 ["dynamic", "not supported"]),
     "negative-max-tokens": (["--max-tokens", "-1"], "target", "draft", ["max_tokens"]),
     "negative-temperature": (["--temperature", "-0.5"], "target", "draft", ["temperature"]),
     "bad-top-p": (["--top-p", "1.5"], "target", "draft", ["top_p"]),

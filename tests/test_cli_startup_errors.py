@@ -101,6 +101,15 @@ def test_port_from_the_environment_is_checked_too():
     assert_refused(run_cli("serve", env={"DDTREE_PORT": "99999"}), "--port", "99999")
 
 
+def test_rope_scaling_from_the_environment_is_checked_too():
+    """DDTREE_ROPE_SCALING is read as --rope-scaling is, and a rope type ddtree lacks is refused
+    before anything loads."""
+    assert_refused(run_cli("serve", "--port", str(free_port()), env={"DDTREE_ROPE_SCALING": "[4]"}),
+                   "--rope-scaling", "JSON object")
+    assert_refused(run_cli("serve", "--port", str(free_port()),
+                           env={"DDTREE_ROPE_SCALING": '{"rope_type": "longrope"}'}), "longrope", "not supported")
+
+
 def test_cuda_without_a_gpu_is_one_line():
     import torch
 

@@ -106,3 +106,33 @@ def test_context_limit_follows_the_rope_scaling(tmp_path, rope, max_positions, l
 def test_rope_settings_ddtree_cannot_serve_are_one_line_errors(rope, fragment):
     with pytest.raises(DDTreeError, match=fragment):
         RopeConfig.from_hf({"rope_theta": 10000.0, "max_position_embeddings": 4096, "rope_scaling": rope}, "target")
+
+
+def test_the_flag_over_a_config_equals_the_config_that_says_it(tmp_path):
+    """`LLM(rope_scaling=...)` (`--rope-scaling`) over a target with no scaling decodes as the same
+    weights whose config.json holds that scaling, past max_position_embeddings, with the context
+    limit grown to match; the transformers-5 `rope_parameters` keep their rope_theta, and a legacy
+    "type" key counts as "rope_type"."""
+    import shutil
+
+    from ddtree import LLM, SamplingParams
+    from tiny_models import make_target
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48}
+    scaled, plain = tmp_path / "scaled", tmp_path / "plain"
+    make_target(scaled, "qwen3", max_positions=48, rope_scaling=yarn)
+    shutil.copytree(scaled, plain)
+    config = json.loads((plain / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
+    (plain / "config.json").write_text(json.dumps(config))
+    assert TargetConfig.from_dir(plain).context_limit == 48
+
+    flag = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48}
+    overridden = TargetConfig.from_dir(plain, flag)
+    assert overridden.rope == TargetConfig.from_dir(scaled).rope and overridden.context_limit == 192
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = torch.randint(0, 96, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    by_config = LLM(scaled, device="cpu", dtype="float32", use_draft=False)
+    by_flag = LLM(plain, device="cpu", dtype="float32", use_draft=False, rope_scaling=flag)
+    assert by_config.max_model_len == by_flag.max_model_len == 192
+    assert by_flag.generate(prompt, params).token_ids == by_config.generate(prompt, params).token_ids

@@ -159,7 +159,8 @@ def load_llm(args: argparse.Namespace, draft: Path | None):
     from ddtree.llm import LLM
 
     return LLM(args.target, draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               use_draft=draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None))
+               use_draft=draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None),
+               rope_scaling=args.rope_scaling)
 
 
 def _title(describe: dict, machine: dict) -> str:

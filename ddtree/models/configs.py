@@ -129,6 +129,18 @@ class RopeConfig:
         return max_position_embeddings
 
 
+def override_rope(cfg: dict, rope: dict) -> None:
+    """Put `rope` (a rope type and its settings) over cfg's rope settings, in place: merged into
+    `rope_parameters` where the config has them (transformers 5, whose rope_theta is there), else
+    into `rope_scaling`. A legacy "type" key counts as "rope_type"."""
+    rope = dict(rope)
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    key = "rope_parameters" if isinstance(cfg.get("rope_parameters"), dict) else "rope_scaling"
+    old = cfg.get(key) if isinstance(cfg.get(key), dict) else {}
+    cfg[key] = {**{k: v for k, v in old.items() if k != "type"}, **rope}
+
+
 def _yarn_attention_factor(params: dict, factor: float, what: str) -> float:
     """YaRN's cos/sin multiplier: the config's `attention_factor`, else 0.1 ln(factor) + 1 (scaled
     by `mscale` over `mscale_all_dim` where both are given, DeepSeek's form)."""
@@ -273,7 +285,8 @@ class TargetConfig(TransformerConfig):
         return [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TargetConfig":
+    def from_dir(cls, path: str | Path, rope_scaling: dict | None = None) -> "TargetConfig":
+        """The target's config.json, with `rope_scaling` (`--rope-scaling`) over its rope settings."""
         path = Path(path)
         what = f"target model {path}"
         if not path.is_dir():
@@ -282,6 +295,8 @@ class TargetConfig(TransformerConfig):
         archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
         model_type = cfg.get("model_type", "")
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+        if rope_scaling is not None:
+            override_rope(text if text is not None else cfg, rope_scaling)
         types = {model_type, (text or {}).get("model_type", "")}
         if types & UNSUPPORTED_MODEL_TYPES or any("Moe" in a or "Qwen3Next" in a for a in archs):
             raise DDTreeError(f"{what}: architecture {archs or model_type} (mixture of experts) is not supported "

@@ -142,9 +142,11 @@ def drafter_state_dict(raw: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict
     return out
 
 
-def load_target(path: str | Path, device, dtype: torch.dtype, max_positions: int | None = None) -> TargetModel | HybridTarget:
+def load_target(path: str | Path, device, dtype: torch.dtype, max_positions: int | None = None,
+                rope_scaling: dict | None = None) -> TargetModel | HybridTarget:
+    """The target at `path` (rope_scaling: over its config.json's, `TargetConfig.from_dir`)."""
     path = Path(path)
-    cfg = TargetConfig.from_dir(path)
+    cfg = TargetConfig.from_dir(path, rope_scaling)
     what = f"target model {path}"
     raw = read_safetensors(path, what)
     positions = max_positions or cfg.context_limit

@@ -63,7 +63,7 @@ LIMIT_FLAGS = {
                                  "ends its requests with an error and exits with code 1 so that a service "
                                  "manager restarts it; 0: never"),
 }
-ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "host", "port", "tree_budget",
+ENV_FLAGS = ("target", "draft", "device", "dtype", "max_model_len", "rope_scaling", "host", "port", "tree_budget",
              "served_model_name", "api_key", "log_level", "warmup", "engine_process", "prefill_chunk",
              "gpu_memory_utilization", "kv_cache_tokens", *LIMIT_FLAGS)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -132,6 +132,7 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
 
     fixed = budget not in (None, "auto")
     llm = LLM(args.target, args.draft, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              rope_scaling=getattr(args, "rope_scaling", None),
               use_draft=not fixed or budget.drafts or args.draft is not None, max_num_seqs=getattr(args, "max_num_seqs", None),
               prefill_chunk=getattr(args, "prefill_chunk", PREFILL_CHUNK),
               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
@@ -231,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warmup = flag_enabled(args.warmup, "warmup")
     engine_process = flag_enabled(args.engine_process, "engine_process")
     check_budget_has_drafter(budget, args.target, args.draft)
-    check_pair_configs(args.target, args.draft, args.max_model_len)
+    check_pair_configs(args.target, args.draft, args.max_model_len, args.rope_scaling)
 
     import uvicorn
 
