@@ -136,3 +136,21 @@ def test_the_flag_over_a_config_equals_the_config_that_says_it(tmp_path):
     by_flag = LLM(plain, device="cpu", dtype="float32", use_draft=False, rope_scaling=flag)
     assert by_config.max_model_len == by_flag.max_model_len == 192
     assert by_flag.generate(prompt, params).token_ids == by_config.generate(prompt, params).token_ids
+
+
+def test_serve_with_rope_scaling_takes_prompts_past_the_targets_limit(demo_pair):
+    """`ddtree serve --rope-scaling` (the engine in its own process): /health reports the grown
+    context limit and a prompt longer than the demo target's 2048 positions completes."""
+    import httpx
+
+    from server_process import LiveServer
+
+    yarn = '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048}'
+    with LiveServer(*demo_pair, "--rope-scaling", yarn, "--tree-budget", "16", max_model_len=4096) as server:
+        headers = server.headers
+        assert httpx.get(server.url + "/health", timeout=30).json()["max_model_len"] == 4096
+        prompt = [3 + i % 500 for i in range(2100)]
+        reply = httpx.post(server.url + "/v1/completions", headers=headers, timeout=300,
+                           json={"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"] == {"prompt_tokens": 2100, "completion_tokens": 4, "total_tokens": 2104}
