@@ -27,6 +27,14 @@ def demo_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_pair_with_tokenizer(tmp_path_factory.mktemp("pair"))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's command) runs one worker on a machine with a CUDA GPU: the GPU
+    tests, and the kernel tests that take the GPU when there is one, share a single device. On a
+    CPU, pytest-xdist's own count (a worker per core)."""
+    return 1 if torch.cuda.is_available() else None
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Tiny models run fastest single-threaded, and the suite stays fast on a busy 2-core box."""
