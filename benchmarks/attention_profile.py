@@ -21,7 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.bench.machine import git_revision, machine_info, results_path
-from ddtree.kernels.tree_attention import masked_attention, tiling
+from ddtree.kernels.attention_plan import tiling
+from ddtree.kernels.tree_attention import masked_attention
 from ddtree.tree import build_tree
 
 BUCKET = 256

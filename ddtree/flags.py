@@ -7,6 +7,7 @@ Nothing here imports torch unless a flag asks for CUDA, which only torch can che
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -123,8 +124,6 @@ def rope_scaling_json(text: str) -> dict:
     """A JSON object of rope settings with a rope type (`--rope-scaling`, as vLLM's flag), e.g.
     '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'; what it
     holds is checked with the target's config (`configs.RopeConfig`)."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ddtree.kernels import attention_libraries, gdn_tree, tree_attention
+from ddtree.kernels import attention_libraries, attention_plan, gdn_tree, tree_attention
 from ddtree.tree import build_tree
 
 CONTEXT = 8192
@@ -57,7 +57,7 @@ def test_tree_attention(n, heads, tiled):
     q = torch.randn(n, hq, d).bfloat16()
     cache = torch.randn(2, kv_len, hkv, d).bfloat16()
     block = _tree(n) if n > 1 else torch.ones(1, 1, dtype=torch.bool)
-    config = replace(tree_attention.tiling(n * hq // hkv, kv_len, d), combine_tiled=tiled)
+    config = replace(attention_plan.tiling(n * hq // hkv, kv_len, d), combine_tiled=tiled)
     tree_attention.masked_attention(q, cache[0], cache[1], block, d ** -0.5, config=config,
                                     prefix_len=torch.tensor(CONTEXT))
 
@@ -73,7 +73,7 @@ def test_batched_tree_attention(n, heads, balance):
     q = torch.randn(batch * n, hq, d).bfloat16()
     cache = torch.randn(2, batch * row_slots, hkv, d).bfloat16()
     block = torch.stack([_tree(n) if n > 1 else torch.ones(1, 1, dtype=torch.bool)] * batch)
-    config = replace(tree_attention.tiling(n * hq // hkv, row_slots, d, batch), balance_rows=balance)
+    config = replace(attention_plan.tiling(n * hq // hkv, row_slots, d, batch), balance_rows=balance)
     tree_attention.batched_masked_attention(q, cache[0], cache[1], block, d ** -0.5,
                                             torch.full((batch,), CONTEXT), torch.arange(batch) * row_slots,
                                             row_slots, config=config)

@@ -73,15 +73,12 @@ except ImportError:  # the CPU install has no Triton: `layers.attend` uses PyTor
     triton = None
 
 from ddtree.kernels import attention_combine, attention_libraries
-from ddtree.kernels.attention_plan import (BALANCE_MAX_ROWS, BALANCE_MIN_KEYS, DEFAULT, LONG, AttentionConfig, plan,
-                                           plan_rows, sm_count, tiling)
+from ddtree.kernels.attention_plan import (BALANCE_MAX_ROWS, BALANCE_MIN_KEYS, AttentionConfig, plan, plan_rows,
+                                           sm_count, tiling)
 
 if triton is not None:
     from ddtree.kernels.attention_combine import combine
     from ddtree.kernels.attention_plan import device_row_items, row_value
-
-__all__ = ["AttentionConfig", "DEFAULT", "LONG", "batched_masked_attention", "key_range", "masked_attention",
-           "prefix_block_mask", "supported", "tiling"]
 
 # The last split combines in the kernel only while it reads at most this many partial rows
 # (block_m x splits): H200, Qwen3-8B heads, per layer: N = 1 (16 x 12) 8.6 -> 5.9 us, N = 257

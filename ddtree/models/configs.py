@@ -69,7 +69,7 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # from_hf: the config's, else max_position_embeddings
     partial_rotary_factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -91,9 +91,8 @@ class RopeConfig:
         # llama3 and YaRN scale against the length the model was pretrained at: the config's field
         # (top level first, as Phi-3 writes it), else max_position_embeddings, as transformers reads it.
         original = cfg.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
-        if original is None:
-            original = max_positions if rope_type in ("llama3", "yarn") else 8192
-        original = _number(original, int, "original_max_position_embeddings", what)
+        original = _number(max_positions if original is None else original, int, "original_max_position_embeddings",
+                           what)
         factor = params.get("factor")
         if factor is None:  # YaRN without one (DeepSeek-V3's form): the lengths' ratio
             factor = max_positions / original if rope_type == "yarn" else 1.0

@@ -51,14 +51,19 @@ def norm_qkv(h, delta, norm_w, qkv_w, qkv_b, eps: float):
     return h, F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
 
 
+def split_heads(qkv, n_heads: int, n_kv: int, head_dim: int):
+    """qkv [N, (Hq + 2 Hkv) D] -> views q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    return q.view(n, n_heads, head_dim), k.view(n, n_kv, head_dim), v.view(n, n_kv, head_dim)
+
+
 def project_qkv(h, delta, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin, n_heads: int, n_kv: int,
                 head_dim: int, eps: float):
     """h + delta [N, H] (the layer's input) -> (that input, q [N, Hq, D], k [N, Hkv, D] (normed,
     rotated), v [N, Hkv, D])."""
     h, qkv = norm_qkv(h, delta, norm_w, qkv_w, qkv_b, eps)
-    n = h.shape[0]
-    q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
-    q, k, v = q.view(n, n_heads, head_dim), k.view(n, n_kv, head_dim), v.view(n, n_kv, head_dim)
+    q, k, v = split_heads(qkv, n_heads, n_kv, head_dim)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     return h, rotate(q, cos, sin), rotate(k, cos, sin), v

@@ -12,7 +12,7 @@ from torch import nn
 from ddtree.kernels import qk_rope_write
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
-from ddtree.models.fused import EAGER, LayerOps, compiled_ops
+from ddtree.models.fused import EAGER, LayerOps, compiled_ops, split_heads
 from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, attend, logits_float32
 
 
@@ -49,11 +49,9 @@ class TargetLayer(nn.Module):
         k_norm = a.k_norm.weight if a.k_norm is not None else None
         if qk_rope_write.supported(h, cache.k[a.layer_idx]):  # the heads' norms, rotations and cache write in one launch
             x, qkv = ops.norm_qkv(h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, eps)
-            n, d = qkv.shape[0], a.head_dim
-            q, k, v = qkv.split([a.n_heads * d, a.n_kv * d, a.n_kv * d], dim=-1)
-            q = qk_rope_write.qk_rope_write(q.view(n, a.n_heads, d), k.view(n, a.n_kv, d), v.view(n, a.n_kv, d), q_norm,
-                                            k_norm, cos, sin, eps, meta.write_slots, cache.k[a.layer_idx],
-                                            cache.v[a.layer_idx])
+            q, k, v = split_heads(qkv, a.n_heads, a.n_kv, a.head_dim)
+            q = qk_rope_write.qk_rope_write(q, k, v, q_norm, k_norm, cos, sin, eps, meta.write_slots,
+                                            cache.k[a.layer_idx], cache.v[a.layer_idx])
             keys, values = cache.layer(a.layer_idx, meta.kv_len)
         else:
             x, q, k, v = ops.project_qkv(h, delta, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
