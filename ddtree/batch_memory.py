@@ -23,7 +23,7 @@ from ddtree.memory_plan import (FLOAT32, GiB, drafter_kv_bytes_per_token, recurr
 from ddtree.round_costs import row_counts
 
 TEMPORARIES_BYTES = 1 * GiB  # a round's and a prefill chunk's activations, allocator slack
-LOGITS_BUDGETS = 3  # the served budgets whose logits buffers every row bucket keeps (ar, 16, 64 by default)
+LOGITS_BUDGETS = 3  # the served budgets whose logits buffers every row bucket keeps (ar, 15, 63 by default)
 
 
 def kv_bytes_per_slot(target_cfg, drafter_cfg, dtype: str) -> int:

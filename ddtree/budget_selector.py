@@ -20,9 +20,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ddtree.tree_shape import AR, TreeShape
+from ddtree.tree_shape import AR, DEFAULT_BEST, SMALL_BEST, TreeShape
 
-CANDIDATES: tuple[TreeShape, ...] = (AR, TreeShape.best(16), TreeShape.best(64))
+CANDIDATES: tuple[TreeShape, ...] = (AR, TreeShape.best(SMALL_BEST), TreeShape.best(DEFAULT_BEST))
 CONTEXT_BUCKETS: tuple[tuple[str, int], ...] = (("ctx<=2k", 2048), ("ctx<=8k", 8192), ("ctx<=32k", 32768))
 LONGEST_CONTEXT_BUCKET = "ctx>32k"
 

@@ -8,6 +8,7 @@ import sys
 from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError
 from ddtree.flags import TOP_K
+from ddtree.tree_shape import DEFAULT_BEST
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,6 @@ def register(subparsers) -> None:
     src.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
     add_sampling_args(gen)
     gen.add_argument("--tree-budget", default=None,
-                     help="ar, chain or an integer >= 1 (default 64; ar for a target given without --draft)")
+                     help=f"ar, chain or an integer >= 1 (default {DEFAULT_BEST}; ar for a target given without --draft)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     gen.set_defaults(func=cmd_generate)

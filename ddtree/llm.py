@@ -1,7 +1,7 @@
 """The Python API shared by the CLI, the server, the benchmark and the tests.
 
     llm = LLM()                                    # the shipped demo pair
-    out = llm.generate("def fib(n):", SamplingParams(max_tokens=64), tree_budget=64)
+    out = llm.generate("def fib(n):", SamplingParams(max_tokens=64), tree_budget=63)
     for event in llm.stream(prompt_ids, params):   # tokens as each round accepts them
         print(event.text, end="")
 """
@@ -32,10 +32,10 @@ from ddtree.output import OutputBuilder
 from ddtree.request_checks import Prompt, RequestChecks
 from ddtree.round_costs import measure_round_costs
 from ddtree.temperature_buckets import bucket_of
-from ddtree.tree_shape import AR, TreeShape
+from ddtree.tree_shape import AR, DEFAULT_BEST, TreeShape
 from ddtree.working_set import BudgetWorkingSet
 
-DEFAULT_TREE_BUDGET = TreeShape.best(64)
+DEFAULT_TREE_BUDGET = TreeShape.best(DEFAULT_BEST)
 ADAPTIVE = "adaptive"  # the budget label of a request whose budget its batch chooses each round
 
 log = logging.getLogger("ddtree")
@@ -186,7 +186,7 @@ class LLM(RequestChecks):
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
-        `tree_budget=None` is 64 with a drafter and `ar` without.
+        `tree_budget=None` is 63 (DEFAULT_BEST) with a drafter and `ar` without.
         prefill_chunk: the most tokens one forward of a long prompt's prefill runs (its activation
         memory grows with it; ddtree.engine.prefill_chunks), for the batched engine too.
         max_cached_budgets: how many tree budgets besides the default keep their buffers and
@@ -296,7 +296,7 @@ class LLM(RequestChecks):
     def adapt_batch_budget(self, candidates: tuple[TreeShape, ...] | None = None, costs=None,
                            log=None) -> BatchBudget:
         """From now on, requests that name no budget and decode in a batch get theirs each round
-        from the batch (ddtree.batch_budget) among `candidates` (default ar, 16, 64), priced by
+        from the batch (ddtree.batch_budget) among `candidates` (default ar, 15, 63), priced by
         `costs` (a `RoundCostTable`; default: measured now on the batched engine, a few seconds on
         a CPU). -> the BatchBudget."""
         if self.drafter is None:

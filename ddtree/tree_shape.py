@@ -69,6 +69,20 @@ class TreeShape:
 AR = TreeShape(_AR)
 CHAIN = TreeShape(_CHAIN)
 
+# The budgets ddtree picks by itself (the default, the server's candidates, `ddtree tune`'s and
+# `ddtree bench`'s sweeps) are 2^k - 1. A budget B verifies B + 1 tokens, the root included, so
+# 2^k - 1 fills whole tiles of the verify's matmuls and attention where 2^k leaves one token past
+# them, and the node that 2^k adds is the tree's least likely. H200, ms a round (round_latency.py):
+# Qwen3.6-27B shape at 8192 tokens 15 / 16 18.76 / 19.00, 63 / 64 20.54 / 21.10, 255 / 256
+# 33.90 / 36.43; Qwen3-8B shape at 32768 tokens 63 / 64 9.61 / 10.56, 255 / 256 20.72 / 22.62
+# (results/round_latency_h200_{qwen36_27b_8k,qwen3_8b_32k}_pow2_nodes.json), and with the later
+# attention kernels 7.27 / 7.93 ms of verify at 63 / 64 (verify_profile_h200_qwen3_8b_32k_63_64.json).
+# Acceptance on the demo pair (greedy, 24 prompts): 4.00 at 15 against 4.02 at 16, 4.75 at both 63
+# and 64 (bench_cpu_demo_acceptance_15_16_63_64.json). Any budget can still be asked for by number.
+DEFAULT_BEST = 63  # the default tree budget of a pair with a drafter
+SMALL_BEST = 15  # the server's smaller candidate tree
+SWEEP_BEST = (15, 31, 63, 127, 255, 511, 1023)  # tune's calibration and bench's default sweep
+
 
 def shape_json(value: object) -> object:
     """`json.dumps(..., default=shape_json)`: a shape is written as its `json_value`."""

@@ -8,6 +8,7 @@ import pytest
 
 from ddtree import batch_engine
 from ddtree.batch_budget import BatchBudget
+from ddtree.budget_selector import CANDIDATES
 from ddtree.batch_engine import BatchEngine
 from ddtree.batching import BatchedRequests
 from ddtree.config import SamplingParams
@@ -126,7 +127,7 @@ def test_only_a_sequence_that_feeds_the_drafter_can_switch_to_a_tree(llm):
 def synthetic_costs() -> RoundCostTable:
     """Verify tokens dear (a CPU's picture): `ar` for a full batch, a tree alone."""
     return RoundCostTable([RoundCost(64, r, b.label, b.nodes(16), 0.002 + 0.0002 * r * b.nodes(16))
-                           for r in (1, 8) for b in (AR, B16, B64)])
+                           for r in (1, 8) for b in CANDIDATES])
 
 
 def test_generate_chooses_the_budgets_of_prompts_that_name_none(llm):
@@ -139,7 +140,7 @@ def test_generate_chooses_the_budgets_of_prompts_that_name_none(llm):
         llm.batch_budget = None
     for result, fixed in zip(results, named):
         assert result.token_ids == fixed.token_ids
-        assert result.stats.tree_budget == "adaptive" and set(result.stats.budget_rounds) <= {"ar", "16", "64"}
+        assert result.stats.tree_budget == "adaptive" and set(result.stats.budget_rounds) <= {"ar", "15", "63"}
         assert fixed.stats.tree_budget == "16" and fixed.stats.budget_rounds == {"16": fixed.stats.decode_rounds}
 
 
@@ -201,4 +202,4 @@ def test_serve_with_batching_and_no_budget_chooses_per_round_and_shows_it(demo_p
     drafted = sum(count for budget, count in rounds.items() if budget != "ar")
     assert metric(values, "vllm:spec_decode_num_drafts_total") == drafted
     assert {dict(labels)["tree_budget"] for (name, labels), _ in values.items()
-            if name == "ddtree:batch_budget_acceptance"} == {"16", "64"}
+            if name == "ddtree:batch_budget_acceptance"} == {"15", "63"}

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from ddtree.batch_budget import AcceptanceStats, BatchBudget, BatchRow
+from ddtree.budget_selector import CANDIDATES
 from ddtree.round_costs import RoundCost, RoundCostTable, row_counts
 from ddtree.tree_shape import AR, CHAIN, TreeShape
 
-B16, B64 = TreeShape.best(16), TreeShape.best(64)
+_, SMALL, BIG = CANDIDATES  # ar and the two default trees (15 and 63 nodes past the root)
 BLOCK = 16
 
 
-def table(seconds, rows=(1, 2, 4, 8), budgets=(AR, B16, B64), contexts=(64,)) -> RoundCostTable:
+def table(seconds, rows=(1, 2, 4, 8), budgets=(AR, SMALL, BIG), contexts=(64,)) -> RoundCostTable:
     """A table whose round at (context, rows, budget) takes seconds(context, rows, nodes)."""
     return RoundCostTable([RoundCost(c, r, b.label, b.nodes(BLOCK), seconds(c, r, b.nodes(BLOCK)))
                            for c in contexts for r in rows for b in budgets])
@@ -37,41 +38,42 @@ def chooser(seconds, acceptance: dict[TreeShape, float], bucket="greedy") -> Bat
     return budget
 
 
-SEEN = {B16: 4, B64: 6}  # mean acceptance lengths at T = 0
+SEEN = {SMALL: 4, BIG: 6}  # mean acceptance lengths at T = 0
 
 
 def test_a_few_rows_on_cheap_tokens_get_the_big_tree():
     chosen = chooser(weights_bound, SEEN).choose([BatchRow("greedy", 100)] * 2)
-    assert chosen == [B64, B64]
+    assert chosen == [BIG, BIG]
 
 
 def test_tokens_that_cost_get_ar_for_a_full_batch_and_a_tree_alone():
     budget = chooser(compute_bound, SEEN)
     assert budget.choose([BatchRow("greedy", 100)] * 8) == [AR] * 8
-    # Alone, a tree's tokens are cheap beside the round's fixed cost: 16 pays, 64 does not.
-    assert budget.choose([BatchRow("greedy", 100)]) == [B16]
+    # Alone, a tree's tokens are cheap beside the round's fixed cost: the small tree pays, the big one
+    # does not.
+    assert budget.choose([BatchRow("greedy", 100)]) == [SMALL]
 
 
 def test_rows_that_named_a_budget_keep_it_and_weigh_in_the_cost():
     budget = chooser(weights_bound, SEEN)
     rows = [BatchRow("greedy", 100, CHAIN), BatchRow("greedy", 100), BatchRow("greedy", 100, AR)]
     chosen = budget.choose(rows)
-    assert chosen[0] == CHAIN and chosen[2] == AR and chosen[1] == B64
-    assert budget.choose([BatchRow("greedy", 100, B16)] * 3) == [B16] * 3
+    assert chosen[0] == CHAIN and chosen[2] == AR and chosen[1] == BIG
+    assert budget.choose([BatchRow("greedy", 100, SMALL)] * 3) == [SMALL] * 3
 
 
 def test_rows_of_other_temperatures_get_their_own_budgets():
     budget = chooser(lambda c, r, n: 0.004 + 0.00002 * r * n, SEEN)
     for _ in range(400):  # at T = 1 the drafter's guesses rarely match
-        budget.observe("t>0.8", B16, 1.1)
-        budget.observe("t>0.8", B64, 1.2)
+        budget.observe("t>0.8", SMALL, 1.1)
+        budget.observe("t>0.8", BIG, 1.2)
     chosen = budget.choose([BatchRow("greedy", 50), BatchRow("t>0.8", 50), BatchRow("greedy", 50)])
     assert chosen[0] == chosen[2] != AR and chosen[1] == AR
 
 
 def picks_over_rounds(seconds, rows: int, rounds: int = 12) -> list[TreeShape]:
     """The shared budget of `rows` greedy rows, round after round, as each round's acceptance
-    (16: 4 tokens, 64: 6) is observed."""
+    (the small tree: 4 tokens, the big one: 6) is observed."""
     budget = BatchBudget(table(seconds), BLOCK)
     batch = [BatchRow("greedy", 100)] * rows
     picks = []
@@ -80,33 +82,33 @@ def picks_over_rounds(seconds, rows: int, rounds: int = 12) -> list[TreeShape]:
         assert len(set(chosen)) == 1  # same temperature, same lengths: one budget for all
         picks.append(chosen[0])
         for shape in chosen:
-            budget.observe("greedy", shape, {AR: 1, B16: 4, B64: 6}[shape])
+            budget.observe("greedy", shape, {AR: 1, SMALL: 4, BIG: 6}[shape])
     assert budget.choose(batch) == budget.choose(batch)  # deterministic
     return picks
 
 
 def test_untried_budgets_are_tried_while_their_best_case_wins_and_dropped_once_measured():
-    # Every tree starts at its best case (each drafted token accepted): 16 is tried first, found
-    # to lose to ar under this load and never chosen again; 64 loses even at its best, so it is
-    # never tried.
+    # Every tree starts at its best case (each drafted token accepted): the small tree is tried
+    # first, found to lose to ar under this load and never chosen again; the big one loses even at
+    # its best, so it is never tried.
     picks = picks_over_rounds(compute_bound, rows=8)
-    assert picks[0] == B16 and B64 not in picks and picks[-8:] == [AR] * 8
+    assert picks[0] == SMALL and BIG not in picks and picks[-8:] == [AR] * 8
     # With cheap tokens both trees are tried, and the measured better one stays.
     picks = picks_over_rounds(weights_bound, rows=2, rounds=16)
-    assert picks[0] == B16 and B64 in picks and picks[-6:] == [B64] * 6
+    assert picks[0] == SMALL and BIG in picks and picks[-6:] == [BIG] * 6
 
 
 def test_acceptance_prior_and_window():
     stats = AcceptanceStats(BLOCK, prior_rounds=2, window=40)
     assert stats.best_case(AR) == 1 and stats.best_case(CHAIN) == 16
-    assert stats.best_case(B16) == 16 and stats.best_case(TreeShape.best(3)) == 4
-    assert stats.expected("greedy", B64) == 16 and stats.expected("greedy", AR) == 1
-    stats.observe("greedy", B64, 4)
-    assert stats.expected("greedy", B64) == pytest.approx((2 * 16 + 4) / 3)
+    assert stats.best_case(SMALL) == 16 and stats.best_case(TreeShape.best(3)) == 4
+    assert stats.expected("greedy", BIG) == 16 and stats.expected("greedy", AR) == 1
+    stats.observe("greedy", BIG, 4)
+    assert stats.expected("greedy", BIG) == pytest.approx((2 * 16 + 4) / 3)
     for _ in range(100):
-        stats.observe("greedy", B64, 2)
+        stats.observe("greedy", BIG, 2)
     # Beyond the window older rounds fade (the 4 is all but gone); the prior keeps its weight.
-    assert stats.expected("greedy", B64) == pytest.approx((2 * 16 + 40 * 2) / 42, abs=0.02)
+    assert stats.expected("greedy", BIG) == pytest.approx((2 * 16 + 40 * 2) / 42, abs=0.02)
     assert stats.buckets() == ["greedy"]
 
 
@@ -200,15 +202,15 @@ def test_choice_equals_the_plain_search(seed):
     rng = random.Random(seed)
     base, per_token, per_row = rng.uniform(0.001, 0.02), rng.uniform(1e-6, 3e-4), rng.uniform(0, 1e-3)
     costs = table(lambda c, r, n: base + per_row * r + per_token * r * n * rng.uniform(0.8, 1.2) + 1e-6 * c,
-                  rows=(1, 2, 4, 8, 16), budgets=(AR, B16, TreeShape.best(32), B64), contexts=(64, 512, 2048))
-    chooser = BatchBudget(costs, BLOCK, (AR, B16, TreeShape.best(32), B64))
+                  rows=(1, 2, 4, 8, 16), budgets=(AR, SMALL, TreeShape.best(32), BIG), contexts=(64, 512, 2048))
+    chooser = BatchBudget(costs, BLOCK, (AR, SMALL, TreeShape.best(32), BIG))
     buckets = ["greedy", "t0.7", "t1"][: rng.randint(1, 3)]
     for bucket in buckets:
         for shape in chooser.candidates[1:]:
             for _ in range(rng.randint(0, 30)):
                 chooser.observe(bucket, shape, rng.randint(1, 9))
     rows = [BatchRow(rng.choice(buckets), rng.randint(10, 3000),
-                     rng.choice([None, None, None, AR, B16, B64])) for _ in range(rng.randint(1, 24))]
+                     rng.choice([None, None, None, AR, SMALL, BIG])) for _ in range(rng.randint(1, 24))]
     assert chooser.choose(rows) == plain_greedy(chooser, rows)
 
 

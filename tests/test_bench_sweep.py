@@ -95,6 +95,6 @@ def test_quick_preset_fills_only_the_flags_left_unset():
 
     args, settings = tune_settings("--quick", "--max-tokens", "8")
     assert (args.num_prompts, settings.max_tokens) == (QUICK["num_prompts"], 8)
-    assert [b.json_value for b in settings.tree_budgets] == ["ar", "chain", 16, 32, 64, 128]
+    assert [b.json_value for b in settings.tree_budgets] == ["ar", "chain", 15, 31, 63, 127]
     args, settings = tune_settings()
     assert (args.num_prompts, settings.max_tokens, len(settings.tree_budgets)) == (16, 128, 9)

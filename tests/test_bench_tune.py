@@ -155,7 +155,7 @@ def test_auto_calibrates_without_a_file(llm, tmp_path):
 def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
     """With made-up speeds: the ascending pass stops after the first tree below half the best, the
     race drops budgets below half the leader, and the winner is the fastest."""
-    speed = {"ar": 100.0, "chain": 150.0, 16: 200.0, 32: 260.0, 64: 240.0, 128: 120.0}
+    speed = {"ar": 100.0, "chain": 150.0, 15: 200.0, 31: 260.0, 63: 240.0, 127: 120.0}
     runs: list = []
 
     def fake_generate(self, index, budget, params, sent_at, deadline=None):
@@ -165,12 +165,12 @@ def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
 
     monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
     budget, summary = calibrate(llm, time_limit_s=0.3)
-    assert budget == TreeShape.best(32)
-    assert summary["skipped"] == {str(b): "tree 128 already ran below half the best" for b in (256, 512, 1024)}
-    assert set(summary["median_tokens_per_second"]) == {"ar", "chain", "16", "32", "64", "128"}
-    assert summary["samples"]["128"] == 2 and summary["samples"]["ar"] == 2  # both dropped after two samples
-    assert summary["samples"]["32"] > 2 and summary["samples"]["chain"] > 2
-    assert not set(runs) & {256, 512, 1024}
+    assert budget == TreeShape.best(31)
+    assert summary["skipped"] == {str(b): "tree 127 already ran below half the best" for b in (255, 511, 1023)}
+    assert set(summary["median_tokens_per_second"]) == {"ar", "chain", "15", "31", "63", "127"}
+    assert summary["samples"]["127"] == 2 and summary["samples"]["ar"] == 2  # both dropped after two samples
+    assert summary["samples"]["31"] > 2 and summary["samples"]["chain"] > 2
+    assert not set(runs) & {255, 511, 1023}
     assert summary["recommendation"]["margin_over_ar"] == pytest.approx(2.6)
 
 
@@ -255,8 +255,8 @@ def test_tune_with_max_num_seqs_stores_the_round_costs_a_batching_server_reads(d
     table = RoundCostTable.from_json(read_tune_file(drafter / TUNE_FILE)["round_costs"])
     # Contexts 64 and 1024, the second cut to what 512 tokens leave room for (two rounds of 16).
     assert {(p.context, p.rows, p.budget) for p in table.points} == {
-        (c, r, b) for c in (64, 512 - 33) for r in (1, 2) for b in ("ar", "16", "64")}
-    budgets = [AR, TreeShape.best(16), TreeShape.best(64)]
+        (c, r, b) for c in (64, 512 - 33) for r in (1, 2) for b in ("ar", "15", "63")}
+    budgets = [AR, TreeShape.best(15), TreeShape.best(63)]
     lines = []
     llm = LLM(demo_pair[0], drafter, device="cpu", max_model_len=512, max_num_seqs=2)
     assert resolve_round_costs(llm, budgets, log=lines.append).to_json() == table.to_json()

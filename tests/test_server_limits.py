@@ -15,6 +15,7 @@ from ddtree.llm import LLM
 from ddtree.server.app import create_app
 from ddtree.server.limits import ServerLimits
 from ddtree.server.protocol import validation_error_body
+from ddtree.tree_shape import TreeShape
 
 GOOD = {"prompt": "def f(x):", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
@@ -158,9 +159,11 @@ def test_tree_budget_and_stop_limits(llm):
         assert over.status_code == 400 and over.json()["error"]["param"] == "tree_budget"
         assert "--max-tree-budget" in over.json()["error"]["message"] and " 8 " in over.json()["error"]["message"]
         assert client.post("/v1/completions", json={**GOOD, "tree_budget": 8}).status_code == 200
-        # the server's own default budget (64) is always allowed, named or not
-        assert client.post("/v1/completions", json={**GOOD, "tree_budget": 64}).status_code == 200
-        assert client.post("/v1/completions", json={**GOOD, "tree_budget": "64"}).status_code == 200
+        # the server's own default budget (63) is always allowed, named or not
+        assert llm.default_budget == TreeShape.best(63)
+        assert client.post("/v1/completions", json={**GOOD, "tree_budget": 63}).status_code == 200
+        assert client.post("/v1/completions", json={**GOOD, "tree_budget": "63"}).status_code == 200
+        assert client.post("/v1/completions", json={**GOOD, "tree_budget": 64}).status_code == 400
         for body, param in (({"stop": ["a", "b", "c"]}, "stop"), ({"stop": "abcdef"}, "stop"),
                             ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids")):
             refused = client.post("/v1/completions", json={**GOOD, **body})

@@ -13,11 +13,12 @@ from typing import Callable
 from ddtree.cli_args import add_model_args
 from ddtree.config import DDTreeError, parse_tree_budget
 from ddtree.flags import POSITIVE_NUMBER, TOKEN_COUNTS, int_at_least
-from ddtree.tree_shape import TreeShape
+from ddtree.tree_shape import SWEEP_BEST, TreeShape
 
-DEFAULT_TREE_BUDGETS = "ar,chain,16,32,64,128,256,512,1024"
+DEFAULT_TREE_BUDGETS = ",".join(["ar", "chain", *map(str, SWEEP_BEST)])
 # --quick: the demo pair's tune in about 2 minutes on a 2-core CPU, enough to tell the budgets apart.
-QUICK = {"num_prompts": 8, "max_tokens": 128, "tree_budgets": "ar,chain,16,32,64,128", "prune_below": 0.5}
+QUICK = {"num_prompts": 8, "max_tokens": 128, "tree_budgets": ",".join(["ar", "chain", *map(str, SWEEP_BEST[:4])]),
+         "prune_below": 0.5}
 # ddtree tune: seconds of calibration per sampled temperature bucket (three buckets), after the greedy sweep.
 SAMPLED_SECONDS = 40.0
 QUICK_SAMPLED_SECONDS = 12.0
@@ -398,7 +399,7 @@ def register(subparsers) -> None:
     tune.add_argument("--output", default=None,
                       help="tune file to write (default: ddtree_tune.json beside the drafter)")
     tune.add_argument("--max-num-seqs", type=int_at_least(2), default=None,
-                      help="also time batched rounds of 1..N rows (ar, 16, 64; contexts 64 and 1024) for the "
+                      help="also time batched rounds of 1..N rows (ar, 15, 63; contexts 64 and 1024) for the "
                            "adaptive batch budget of `ddtree serve --max-num-seqs N` without --tree-budget, "
                            "which otherwise measures them at start-up")
     add_model_args(tune)

@@ -27,11 +27,11 @@ from ddtree.budget_selector import CONTEXT_BUCKETS, context_bucket
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
 from ddtree.round_costs import RoundCostTable, measure_round_costs
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
-from ddtree.tree_shape import AR, CHAIN, TreeShape, shape_json
+from ddtree.tree_shape import AR, CHAIN, SWEEP_BEST, TreeShape, shape_json
 
 TUNE_FILE = "ddtree_tune.json"
 TUNE_FORMAT = "ddtree-tune/1"
-CALIBRATION_BUDGETS = [AR, CHAIN, *map(TreeShape.best, (16, 32, 64, 128, 256, 512, 1024))]
+CALIBRATION_BUDGETS = [AR, CHAIN, *map(TreeShape.best, SWEEP_BEST)]
 CALIBRATION_MAX_TOKENS = 64
 CALIBRATION_WARMUP_TOKENS = 8
 ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise

@@ -79,8 +79,8 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--tree-budget", default=None,
                    help="budget of requests that name none: ar, chain, an integer >= 1, or auto (a tune "
-                        "file's pick per temperature, or measured at start-up); default: the fastest of ar, 16 "
-                        "and 64 per temperature, measured on the requests served")
+                        "file's pick per temperature, or measured at start-up); default: the fastest of ar, 15 "
+                        "and 63 per temperature, measured on the requests served")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (prefer DDTREE_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
