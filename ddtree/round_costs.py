@@ -145,6 +145,16 @@ def row_counts(max_rows: int) -> list[int]:
     return counts + [max_rows]
 
 
+def timed_contexts(contexts, max_model_len: int, block_size: int) -> list[int]:
+    """The contexts `measure_round_costs` times for `contexts`: each cut to leave room for two rounds
+    of `block_size` tokens under the context limit, sorted, without repeats."""
+    block = max(block_size, 1)  # the most tokens one round commits
+    longest = max_model_len - 2 * block - 1
+    if longest < 1:
+        raise ValueError(f"a context limit of {max_model_len} tokens leaves no room to time rounds")
+    return sorted({min(c, longest) for c in contexts})
+
+
 def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None = None,
                         contexts: list[int] = (STARTUP_CONTEXT,), rounds: int = ROUNDS_PER_POINT,
                         log: Callable[[str], None] | None = None) -> RoundCostTable:
@@ -155,13 +165,10 @@ def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None
     if engine.sequences:
         raise RuntimeError("round costs are measured on an engine with no sequences")
     rows = rows or row_counts(engine.free_rows)
-    block = max(engine.block_size, 1)  # the most tokens one round commits
-    longest = engine.max_model_len - 2 * block - 1
-    if longest < 1:
-        raise ValueError(f"a context limit of {engine.max_model_len} tokens leaves no room to time rounds")
+    cut = timed_contexts(contexts, engine.max_model_len, engine.block_size)
     points = []
-    new_tokens = (rounds + 2) * block  # room for every timed round in each dummy row's region
-    for context in sorted({min(c, longest) for c in contexts}):
+    new_tokens = (rounds + 2) * max(engine.block_size, 1)  # room for every timed round in each dummy row's region
+    for context in cut:
         for count in rows:
             for budget in budgets:
                 nodes = budget.nodes(engine.block_size)

@@ -6,7 +6,7 @@ import pytest
 
 from ddtree.batch_budget import AcceptanceStats, BatchBudget, BatchRow
 from ddtree.budget_selector import CANDIDATES
-from ddtree.round_costs import RoundCost, RoundCostTable, row_counts
+from ddtree.round_costs import RoundCost, RoundCostTable, row_counts, timed_contexts
 from ddtree.tree_shape import AR, CHAIN, TreeShape
 
 _, SMALL, BIG = CANDIDATES  # ar and the two default trees (15 and 63 nodes past the root)
@@ -29,9 +29,9 @@ def compute_bound(c, rows, nodes):
     return 0.002 + 0.0002 * rows * nodes
 
 
-def chooser(seconds, acceptance: dict[TreeShape, float], bucket="greedy") -> BatchBudget:
+def chooser(seconds, acceptance: dict[TreeShape, float], bucket="greedy", contexts=(64,)) -> BatchBudget:
     """A chooser that has already seen many rounds at each budget, with these mean lengths."""
-    budget = BatchBudget(table(seconds), BLOCK)
+    budget = BatchBudget(table(seconds, contexts=contexts), BLOCK)
     for shape, mean in acceptance.items():
         for _ in range(400):
             budget.observe(bucket, shape, mean)
@@ -142,6 +142,27 @@ def test_cost_table_json_round_trip_and_refusals():
             RoundCostTable.from_json(bad)
     with pytest.raises(ValueError):
         RoundCostTable([])
+
+
+def test_a_long_context_shrinks_the_tree_where_the_table_timed_it():
+    """Each verified token reads the row's whole context: at 32k tokens a tree's tokens cost more
+    than a weights pass, so the chooser that took the big tree at 100 tokens takes the small one."""
+    def attention_grows(c, rows, nodes):
+        return 0.020 + 0.00001 * rows * nodes + 2e-8 * rows * nodes * c
+
+    budget = chooser(attention_grows, SEEN, contexts=(64, 1024, 8192, 32768))
+    assert budget.choose([BatchRow("greedy", 100)] * 2) == [BIG, BIG]
+    assert budget.choose([BatchRow("greedy", 32768)] * 2) == [SMALL, SMALL]
+    # Timed at one short context (the start-up table), every context is priced as that one.
+    assert chooser(attention_grows, SEEN).choose([BatchRow("greedy", 32768)] * 2) == [BIG, BIG]
+
+
+def test_timed_contexts_are_cut_to_leave_room_for_two_rounds():
+    assert timed_contexts((64, 1024, 8192, 32768), 40960, 16) == [64, 1024, 8192, 32768]
+    assert timed_contexts((64, 1024, 8192, 32768), 1100, 16) == [64, 1024, 1100 - 33]
+    assert timed_contexts((64, 1024), 512, 16) == [64, 512 - 33]
+    with pytest.raises(ValueError, match="no room"):
+        timed_contexts((64,), 33, 16)
 
 
 def test_row_counts():

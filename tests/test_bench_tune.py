@@ -250,15 +250,16 @@ def test_tune_with_max_num_seqs_stores_the_round_costs_a_batching_server_reads(d
     shutil.copytree(demo_pair[1], drafter, ignore=shutil.ignore_patterns(TUNE_FILE))
     code = main(["tune", "--target", str(demo_pair[0]), "--draft", str(drafter), "--device", "cpu",
                  "--tree-budgets", "ar,8", "--num-prompts", "2", "--max-tokens", "8", "--sampled-seconds", "1",
-                 "--max-num-seqs", "2", "--max-model-len", "512", "--no-progress"])
+                 "--max-num-seqs", "2", "--max-model-len", "1100", "--no-progress"])
     assert code == 0
     table = RoundCostTable.from_json(read_tune_file(drafter / TUNE_FILE)["round_costs"])
-    # Contexts 64 and 1024, the second cut to what 512 tokens leave room for (two rounds of 16).
+    # Contexts 64, 1024, 8192 and 32768, the last two cut to what 1100 tokens leave room for (two
+    # rounds of 16).
     assert {(p.context, p.rows, p.budget) for p in table.points} == {
-        (c, r, b) for c in (64, 512 - 33) for r in (1, 2) for b in ("ar", "15", "63")}
+        (c, r, b) for c in (64, 1024, 1100 - 33) for r in (1, 2) for b in ("ar", "15", "63")}
     budgets = [AR, TreeShape.best(15), TreeShape.best(63)]
     lines = []
-    llm = LLM(demo_pair[0], drafter, device="cpu", max_model_len=512, max_num_seqs=2)
+    llm = LLM(demo_pair[0], drafter, device="cpu", max_model_len=1100, max_num_seqs=2)
     assert resolve_round_costs(llm, budgets, log=lines.append).to_json() == table.to_json()
     assert "round costs from" in lines[-1]
     llm.max_num_seqs = 3  # more rows than the file measured: timed now

@@ -358,11 +358,11 @@ def by_context(args, llm, settings, view) -> dict:
 def round_costs(llm, view) -> list[dict]:
     """The batched round costs for `--max-num-seqs` (ddtree.round_costs), at the adaptive batch
     budget's candidates."""
-    from ddtree.bench.tune import ROUND_COST_CONTEXTS, measure_tune_round_costs
+    from ddtree.bench.tune import measure_tune_round_costs, tune_round_cost_contexts
     from ddtree.budget_selector import CANDIDATES
 
     view.note(f"measuring batched round costs for 1..{llm.max_num_seqs} rows at contexts "
-              f"{', '.join(map(str, ROUND_COST_CONTEXTS))}", "none")
+              f"{', '.join(map(str, tune_round_cost_contexts(llm)))}", "none")
     return measure_tune_round_costs(llm, list(CANDIDATES), log=lambda line: view.note(line, "dim"))
 
 
@@ -399,7 +399,8 @@ def register(subparsers) -> None:
     tune.add_argument("--output", default=None,
                       help="tune file to write (default: ddtree_tune.json beside the drafter)")
     tune.add_argument("--max-num-seqs", type=int_at_least(2), default=None,
-                      help="also time batched rounds of 1..N rows (ar, 15, 63; contexts 64 and 1024) for the "
+                      help="also time batched rounds of 1..N rows (ar, 15, 63; contexts 64, 1024, 8192 and 32768 "
+                           "where they fit) for the "
                            "adaptive batch budget of `ddtree serve --max-num-seqs N` without --tree-budget, "
                            "which otherwise measures them at start-up")
     add_model_args(tune)

@@ -25,7 +25,7 @@ from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
 from ddtree.budget_selector import CONTEXT_BUCKETS, context_bucket
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
-from ddtree.round_costs import RoundCostTable, measure_round_costs
+from ddtree.round_costs import RoundCostTable, measure_round_costs, timed_contexts
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
 from ddtree.tree_shape import AR, CHAIN, SWEEP_BEST, TreeShape, shape_json
 
@@ -37,7 +37,12 @@ CALIBRATION_WARMUP_TOKENS = 8
 ELIMINATE_BELOW = 0.5  # a budget this far below the leader's median tokens/s cannot be noise
 CALIBRATION_PROMPT_TOKENS = 32  # length of the synthetic prompts used when the target has no tokenizer
 CALIBRATION_LONG_PROMPTS = 4  # distinct prompts of a context length calibration (each costs a long prefill)
-ROUND_COST_CONTEXTS = (64, 1024)  # committed tokens per row at which tune times batched rounds
+# Committed tokens per row at which tune times batched rounds (each cut to the context limit; a
+# context whose rows the KV cache cannot hold is left out). The batch's budget choice prices a round
+# at the batch's mean context, between these by linear interpolation and past the longest along the
+# last segment's slope: timed at 64 and 1024 alone, a 32k-token batch was priced from a difference
+# its attention barely shows at 1024 tokens, 30x extrapolated.
+ROUND_COST_CONTEXTS = (64, 1024, 8192, 32768)
 
 
 def tune_file_path(draft_dir: str | Path) -> Path:
@@ -383,10 +388,16 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
     return picks
 
 
+def tune_round_cost_contexts(llm) -> list[int]:
+    """The contexts tune times batched rounds at: ROUND_COST_CONTEXTS, each cut to what the context
+    limit leaves room for."""
+    return timed_contexts(ROUND_COST_CONTEXTS, llm.max_model_len, llm.block_size)
+
+
 def measure_tune_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None] = print) -> list[dict]:
     """The tune file's `round_costs`: batched rounds of 1..max_num_seqs rows timed at
-    ROUND_COST_CONTEXTS (each cut to what the context limit leaves room for)."""
-    return measure_round_costs(_batch_engine(llm, budgets), budgets, contexts=list(ROUND_COST_CONTEXTS),
+    `tune_round_cost_contexts` (a context whose rows the KV cache cannot hold left out)."""
+    return measure_round_costs(_batch_engine(llm, budgets), budgets, contexts=tune_round_cost_contexts(llm),
                                log=log).to_json()
 
 
