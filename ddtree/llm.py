@@ -32,10 +32,9 @@ from ddtree.output import OutputBuilder
 from ddtree.request_checks import Prompt, RequestChecks
 from ddtree.round_costs import measure_round_costs
 from ddtree.temperature_buckets import bucket_of
-from ddtree.tree_shape import AR, DEFAULT_BEST, TreeShape
+from ddtree.tree_shape import AR, DEFAULT_TREE_BUDGET, TreeShape
 from ddtree.working_set import BudgetWorkingSet
 
-DEFAULT_TREE_BUDGET = TreeShape.best(DEFAULT_BEST)
 ADAPTIVE = "adaptive"  # the budget label of a request whose budget its batch chooses each round
 
 log = logging.getLogger("ddtree")
@@ -186,7 +185,7 @@ class LLM(RequestChecks):
     ):
         """`draft=None` loads the demo drafter for the demo target and no drafter for any other target
         (it then decodes with `ar`, and a warning says so); `use_draft=False` never loads one.
-        `tree_budget=None` is 63 (DEFAULT_BEST) with a drafter and `ar` without.
+        `tree_budget=None` is DEFAULT_TREE_BUDGET (63) with a drafter and `ar` without.
         prefill_chunk: the most tokens one forward of a long prompt's prefill runs (its activation
         memory grows with it; ddtree.engine.prefill_chunks), for the batched engine too.
         max_cached_budgets: how many tree budgets besides the default keep their buffers and

@@ -34,14 +34,13 @@ from dataclasses import dataclass
 
 from ddtree.config import MAX_TREE_BUDGET
 from ddtree.models.configs import DrafterConfig, RopeConfig, TargetConfig
-from ddtree.tree_shape import DEFAULT_BEST, TreeShape
+from ddtree.tree_shape import DEFAULT_TREE_BUDGET, TreeShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT64, FLOAT32, BOOL = 8, 4, 1
 GRAPH_KV_BUCKET = 256  # Engine.kv_bucket with CUDA graphs; 1 without
 PREFILL_PAD_MAX = 1024  # Engine pads prompts of up to this many tokens to a graph's length
 MAX_LOGPROBS = 20  # ddtree.logprobs: top alternatives a request may ask for
-DEFAULT_TREE_BUDGET = TreeShape.best(DEFAULT_BEST)  # ddtree.llm's default with a drafter
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 

@@ -10,12 +10,11 @@ import argparse
 from pathlib import Path
 
 from ddtree.config import DDTreeError, parse_tree_budget
-from ddtree.memory_plan import (DEFAULT_TREE_BUDGET, DTYPE_BYTES, GiB, KiB, MiB, PairMemory, target_kv_bytes_per_token,
-                                verify_logits_bytes)
+from ddtree.memory_plan import DTYPE_BYTES, GiB, KiB, MiB, PairMemory, target_kv_bytes_per_token, verify_logits_bytes
 from ddtree.model_pair import DEFAULT_DRAFT, DEFAULT_TARGET, default_drafter
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.known_shapes import NAMES, named_pair
-from ddtree.tree_shape import AR
+from ddtree.tree_shape import AR, DEFAULT_TREE_BUDGET
 
 H200_GIB = 139  # device memory of one H200 as torch reports it
 USABLE = 0.90  # the rest is left for activations, graphs' temporaries, the CUDA context and the allocator

@@ -82,6 +82,7 @@ CHAIN = TreeShape(_CHAIN)
 DEFAULT_BEST = 63  # the default tree budget of a pair with a drafter
 SMALL_BEST = 15  # the server's smaller candidate tree
 SWEEP_BEST = (15, 31, 63, 127, 255, 511, 1023)  # tune's calibration and bench's default sweep
+DEFAULT_TREE_BUDGET = TreeShape.best(DEFAULT_BEST)
 
 
 def shape_json(value: object) -> object:
