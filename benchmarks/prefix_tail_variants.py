@@ -1,0 +1,130 @@
+"""Where the prefix kernel's tail warp group costs time: the Gluon prefix kernel
+(`ddtree/kernels/prefix_attention_sm90.py`) at 64 / 65 and 256 / 257 tokens over a long prefix at
+Qwen3-8B's heads, against copies of the kernel module changed in one thing each, on an sm_90 GPU:
+
+    python benchmarks/prefix_tail_variants.py OUT.json [--context 32768] [--repeats 3] [--against FILE]
+
+- `base`: the kernel as it is (64 / 256 tokens: no tail; 65 / 257: 4 rows a KV head in the tail);
+- `notail`: 65 / 257 with the tail off (the rows past the last whole block in a row block of their own);
+- `A`: the tail warp group present but computing nothing (it releases every slot as it lands and
+  merges empty partials): the cost of its presence alone (the output is then wrong in those rows);
+- `B<r>`: 64 / 256 tokens (no tail) with the consumers held to r registers, as the tail's
+  registers leave them (216 by default): the cost of the register cut alone;
+- `E<r>`: the tail warp group at r registers (the consumers get what it frees);
+- `D16`: the tail's products at N = 16 instead of 8 (does their cost go by instruction or by column?);
+- `against` (with --against FILE): the kernel module in FILE, e.g. an earlier revision's
+  (`git show REV:ddtree/kernels/prefix_attention_sm90.py > FILE`), at every token count.
+
+Each changed copy is written beside the module as `_variant_<name>.py`, imported, and removed at
+the end. Microseconds per call: CUDA-graph replay of 10 calls, the median of `--repeats` passes
+over every case in turn; each variant's largest output difference from `base` at the same tokens
+and splits is reported (A's is expected to be large).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.attention_configs import call_us
+from ddtree.bench.machine import git_revision
+from ddtree.kernels import prefix_attention_sm90 as base
+
+SOURCE = Path(base.__file__)
+HEADS = (32, 8, 128)  # Qwen3-8B: query heads, KV heads, head_dim
+REGISTERS_NO_TAIL = ("    return per_group, min(256, ((consumers + 1) * per_group - 24) // consumers // 8 * 8), 0",
+                     "    return per_group, {}, 0")
+CHANGES = {  # variant: the (old, new) text replacements of its copy
+    "A": [("_release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)",
+           "_release(k_ready, k_empty, v_ready, v_empty, 0, total, STAGES)"),
+          ("    if lo < hi:\n        acc, m_i, l_i = _attend_tail", "    if lo > total:\n        acc, m_i, l_i = _attend_tail"),
+          ("_release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)",
+           "_release(k_ready, k_empty, v_ready, v_empty, total, total, STAGES)")],
+    **{f"E{r}": [("TAIL_REGS_NEEDED = 56", f"TAIL_REGS_NEEDED = {r}")] for r in (40, 32, 24)},
+    "D16": [("return (8 if left <= 8 else 16), rows - left", "return 16, rows - left")],
+    **{f"B{r}": [(REGISTERS_NO_TAIL[0], REGISTERS_NO_TAIL[1].format(r))] for r in (216, 224, 232)},
+}
+RUNS = [("base", 64), ("base", 65), ("base", 256), ("base", 257), ("notail", 65), ("notail", 257),
+        ("A", 65), ("A", 257), ("B216", 64), ("B216", 256), ("B224", 64), ("B232", 64),
+        ("E40", 65), ("E40", 257), ("E32", 65), ("E24", 65), ("D16", 65), ("D16", 257)]
+
+
+def variant(name: str, text: str):
+    """The kernel module with CHANGES[name] applied (`against`: text as it is), imported from a
+    file beside it."""
+    for old, new in CHANGES.get(name, []):
+        if text.count(old) != 1:
+            raise RuntimeError(f"variant {name}: the kernel's text changed ({old[:60]!r})")
+        text = text.replace(old, new)
+    SOURCE.with_name(f"_variant_{name}.py").write_text(text)
+    return importlib.import_module(f"ddtree.kernels._variant_{name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--against", default=None, help="a kernel module's file to time beside this one")
+    args = ap.parse_args()
+    runs = RUNS + ([("against", n) for n in (64, 65, 256, 257)] if args.against else [])
+    hq, hkv, d = HEADS
+    text = SOURCE.read_text()
+    try:
+        modules = {"base": base, "notail": base} | {name: variant(name, text) for name in CHANGES}
+        if args.against:
+            modules["against"] = variant("against", Path(args.against).read_text())
+        cases = {}
+        for n in sorted({n for _, n in runs}):
+            keys = -(-(args.context + n) // 256) * 256
+            gen = torch.Generator(device="cuda").manual_seed(n)
+            q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            cache = torch.randn(2, keys, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            cases[n] = (q, cache[0], cache[1], keys, torch.tensor(args.context, device="cuda", dtype=torch.int32))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        times, errors, diffs, outputs = {}, {}, {}, {}
+        for rep in range(args.repeats):  # every case once a pass, so that drift between passes hits all alike
+            for label, n in runs:
+                key = f"{label}_{n}"
+                if key in errors:
+                    continue
+                mod = modules[label]
+                config = {"TAIL": False} if label == "notail" else None
+                q, k, v, keys, prefix = cases[n]
+                rows = n * hq // hkv
+                splits = mod.splits_for(mod.tiling(d, rows, hkv, sms) | (config or {}), rows, hkv, sms, keys, d)
+                call = lambda: mod.prefix_attention(q, k, v, prefix, keys, splits, d ** -0.5, config)  # noqa: E731
+                try:
+                    if rep == 0:
+                        o = call()[0].float()
+                        if label == "base":
+                            outputs[(n, splits)] = o
+                        elif (n, splits) in outputs:
+                            diffs[key] = (o - outputs[(n, splits)]).abs().max().item()
+                    us = call_us(call)
+                except Exception as error:  # report it and go on
+                    errors[key] = f"{type(error).__name__}: {str(error)[:300]}"
+                    print(key, errors[key], flush=True)
+                    continue
+                times.setdefault(key, []).append(us)
+                print(rep, key, f"splits={splits}", round(us, 2), flush=True)
+    finally:
+        for name in [*CHANGES, "against"]:
+            SOURCE.with_name(f"_variant_{name}.py").unlink(missing_ok=True)
+    result = {"benchmark": "prefix_tail_variants",
+              "command": f"python benchmarks/prefix_tail_variants.py OUT --context {args.context} --repeats {args.repeats}"
+                         + (f" --against {args.against}" if args.against else ""),
+              "gpu": torch.cuda.get_device_name(), "git_revision": git_revision(), "context": args.context,
+              "heads": list(HEADS), "median_us": {key: statistics.median(v) for key, v in times.items()},
+              "all_us": times, "max_diff_from_base": diffs, "errors": errors}
+    print(json.dumps(result["median_us"], indent=1))
+    Path(args.output).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
