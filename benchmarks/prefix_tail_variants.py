@@ -3,6 +3,7 @@
 Qwen3-8B's heads, against copies of the kernel module changed in one thing each, on an sm_90 GPU:
 
     python benchmarks/prefix_tail_variants.py OUT.json [--context 32768] [--repeats 3] [--against FILE]
+        [--cases base_64,A_65,...] [--profile]
 
 - `base`: the kernel as it is (64 / 256 tokens: no tail; 65 / 257: 4 rows a KV head in the tail);
 - `notail`: 65 / 257 with the tail off (the rows past the last whole block in a row block of their own);
@@ -19,6 +20,12 @@ Each changed copy is written beside the module as `_variant_<name>.py`, imported
 the end. Microseconds per call: CUDA-graph replay of 10 calls, the median of `--repeats` passes
 over every case in turn; each variant's largest output difference from `base` at the same tokens
 and splits is reported (A's is expected to be large).
+
+--profile: no timing; each case runs once to compile and once more inside an NVTX range named
+after it, for Nsight Compute to read its counters (warp stalls, issue slots, shared-memory
+traffic), e.g. `ncu --nvtx --nvtx-include "base_65/" --nvtx-include "A_65/" --section
+WarpStateStats --section SchedulerStats python benchmarks/prefix_tail_variants.py OUT --cases
+base_65,A_65 --profile`.
 """
 from __future__ import annotations
 
@@ -70,8 +77,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--against", default=None, help="a kernel module's file to time beside this one")
+    ap.add_argument("--cases", default=None, help="only these cases, e.g. base_64,A_65")
+    ap.add_argument("--profile", action="store_true", help="one call a case in an NVTX range of its name, untimed")
     args = ap.parse_args()
     runs = RUNS + ([("against", n) for n in (64, 65, 256, 257)] if args.against else [])
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = set(wanted) - {f"{label}_{n}" for label, n in runs}
+        if unknown:
+            raise SystemExit(f"unknown cases {sorted(unknown)}; the cases are {[f'{lb}_{n}' for lb, n in runs]}")
+        runs = [(label, n) for label, n in runs if f"{label}_{n}" in wanted]
     hq, hkv, d = HEADS
     text = SOURCE.read_text()
     try:
@@ -87,7 +102,7 @@ def main() -> None:
             cases[n] = (q, cache[0], cache[1], keys, torch.tensor(args.context, device="cuda", dtype=torch.int32))
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         times, errors, diffs, outputs = {}, {}, {}, {}
-        for rep in range(args.repeats):  # every case once a pass, so that drift between passes hits all alike
+        for rep in range(1 if args.profile else args.repeats):  # every case once a pass: drift hits all alike
             for label, n in runs:
                 key = f"{label}_{n}"
                 if key in errors:
@@ -105,6 +120,12 @@ def main() -> None:
                             outputs[(n, splits)] = o
                         elif (n, splits) in outputs:
                             diffs[key] = (o - outputs[(n, splits)]).abs().max().item()
+                    if args.profile:  # compiled above; this call alone in the case's range
+                        torch.cuda.synchronize()
+                        with torch.cuda.nvtx.range(key):
+                            call()
+                        torch.cuda.synchronize()
+                        continue
                     us = call_us(call)
                 except Exception as error:  # report it and go on
                     errors[key] = f"{type(error).__name__}: {str(error)[:300]}"

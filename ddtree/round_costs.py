@@ -34,6 +34,11 @@ from ddtree.tree_shape import TreeShape
 
 ROUNDS_PER_POINT = 3  # timed rounds per grid point, after one untimed round
 STARTUP_CONTEXT = 64  # the context measured when no other is asked for
+# From this context on, the rows of a (context, row count) point are prefilled once and every budget
+# is timed on them in turn (a prefill of 32k tokens takes over a second on an H200, and the budgets
+# would each have prefilled them afresh); each budget then runs at most (rounds + 1) x block_size
+# tokens further on than the one before it (64 at the defaults: the third of three 3% past 4096).
+SHARED_PREFILL_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -157,47 +162,70 @@ def timed_contexts(contexts, max_model_len: int, block_size: int) -> list[int]:
 
 def measure_round_costs(engine, budgets: list[TreeShape], rows: list[int] | None = None,
                         contexts: list[int] = (STARTUP_CONTEXT,), rounds: int = ROUNDS_PER_POINT,
-                        log: Callable[[str], None] | None = None) -> RoundCostTable:
+                        log: Callable[[str], None] | None = None,
+                        shared_from: int = SHARED_PREFILL_CONTEXT) -> RoundCostTable:
     """Time up to `rounds` rounds (after an untimed one) of `engine` (a `BatchEngine` with no
     sequences) at every context x row count x budget, on dummy greedy prompts -> the table of
     medians. rows: default every `row_counts` up to the engine's rows. A context is cut to leave
-    room for two rounds; the rounds stop early where the context limit leaves no room for another."""
+    room for two rounds; the rounds stop early where the context limit leaves no room for another.
+    From `shared_from` tokens of context on, a point's rows are prefilled once for all the budgets,
+    timed in turn on them (where the KV cache holds rows with room for all their rounds; else each
+    budget's rows are prefilled afresh)."""
     if engine.sequences:
         raise RuntimeError("round costs are measured on an engine with no sequences")
     rows = rows or row_counts(engine.free_rows)
     cut = timed_contexts(contexts, engine.max_model_len, engine.block_size)
     points = []
     new_tokens = (rounds + 2) * max(engine.block_size, 1)  # room for every timed round in each dummy row's region
+
+    def fits(count: int, context: int, group: list[TreeShape]) -> bool:
+        nodes = max(b.nodes(engine.block_size) for b in group)
+        return count * engine.region_slots(context, new_tokens * len(group), nodes) <= engine.regions.largest_free
+
     for context in cut:
         for count in rows:
-            for budget in budgets:
-                nodes = budget.nodes(engine.block_size)
-                if count * engine.region_slots(context, new_tokens, nodes) > engine.regions.largest_free:
+            shared = context >= shared_from and len(budgets) > 1 and fits(count, context, budgets)
+            for group in [list(budgets)] if shared else [[b] for b in budgets]:
+                if not fits(count, context, group):
                     if log is not None:
-                        log(f"round cost: context {context}, {count} rows at {budget}: not timed, the KV cache "
+                        log(f"round cost: context {context}, {count} rows at {group[0]}: not timed, the KV cache "
                             "holds fewer such rows")
                     continue
-                with dummy_rows(engine, count, budget, context, new_tokens) as seqs:
-                    times = []
-                    while len(times) <= rounds and all(s.n + engine.span(nodes) <= s.slots for s in seqs):
-                        start = time.perf_counter()
-                        engine.step()
-                        times.append(time.perf_counter() - start)
-                points.append(RoundCost(context, count, budget.label, budget.nodes(engine.block_size),
-                                        statistics.median(times[1:])))
-                if log is not None:
-                    log(f"round cost: context {context}, {count} rows at {budget}: {points[-1].seconds * 1000:.1f} ms")
+                max_nodes = max(b.nodes(engine.block_size) for b in group)
+                with dummy_rows(engine, count, group[0], context, new_tokens * len(group), max_nodes) as seqs:
+                    for budget in group:
+                        for seq in seqs:
+                            engine.set_budget(seq, budget)
+                        points.append(RoundCost(context, count, budget.label, budget.nodes(engine.block_size),
+                                                _median_round(engine, seqs, budget, rounds)))
+                        if log is not None:
+                            log(f"round cost: context {context}, {count} rows at {budget}: "
+                                f"{points[-1].seconds * 1000:.1f} ms")
     return RoundCostTable(points)
 
 
+def _median_round(engine, seqs: list, budget: TreeShape, rounds: int) -> float:
+    """Seconds of the median of up to `rounds` rounds of `seqs` at `budget`, after an untimed one
+    (fewer where the rows' regions leave no room for another)."""
+    nodes = budget.nodes(engine.block_size)
+    times = []
+    while len(times) <= rounds and all(s.n + engine.span(nodes) <= s.slots for s in seqs):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 @contextlib.contextmanager
-def dummy_rows(engine, count: int, budget: TreeShape, context: int, new_tokens: int | None = None) -> Iterator[list]:
+def dummy_rows(engine, count: int, budget: TreeShape, context: int, new_tokens: int | None = None,
+               max_nodes: int | None = None) -> Iterator[list]:
     """`count` greedy sequences of `context` dummy tokens at `budget` in `engine` (a `BatchEngine`),
-    each with a region for new_tokens more (default: to the context limit), removed on exit ->
-    their `Sequence`s. Each feeds the drafter, as a row whose budget the batch chooses does."""
+    each with a region for new_tokens more (default: to the context limit) and trees of up to
+    max_nodes nodes (default: the budget's), removed on exit -> their `Sequence`s. Each feeds the
+    drafter, as a row whose budget the batch chooses does."""
     params = SamplingParams(max_tokens=engine.max_model_len, ignore_eos=True)
     vocab = engine.target.config.vocab_size
-    nodes = budget.nodes(engine.block_size)
+    nodes = budget.nodes(engine.block_size) if max_nodes is None else max_nodes
     seqs = []
     try:
         for i in range(count):

@@ -159,6 +159,29 @@ def test_round_costs_are_timed_on_the_engine(llm):
         measure_round_costs(short, [AR])
 
 
+def test_long_context_rows_are_prefilled_once_for_every_budget(llm, monkeypatch):
+    """From `shared_from` tokens of context on, a point's rows serve every budget in turn: one
+    prefill a row, the same points timed; below it (and where the cache cannot hold rows with room
+    for every budget's rounds) each budget's rows are prefilled afresh."""
+    engine = BatchEngine(llm.target, llm.drafter, MAX_LEN, max_rows=2, max_nodes=17)
+    added = []
+    add = engine.add
+    monkeypatch.setattr(engine, "add", lambda prompt, *a, **k: added.append(len(prompt)) or add(prompt, *a, **k))
+    table = measure_round_costs(engine, [AR, B3, B16], contexts=[8, 40], rounds=1, shared_from=32)
+    assert [(p.context, p.rows, p.budget) for p in table.points] == [
+        (c, r, b) for c in (8, 40) for r in (1, 2) for b in ("ar", "3", "16")]
+    assert all(p.seconds > 0 for p in table.points) and not engine.sequences and engine.free_rows == 2
+    # context 8: each budget its own rows, 1 + 2 rows x 3 budgets; context 40: 1 + 2 rows once.
+    assert added == [8] * 9 + [40] * 3
+    # A cache that cannot hold rows with room for all three budgets' rounds: afresh, the same points.
+    slots, room = engine.region_slots, 3 * engine.block_size  # one budget's room at rounds=1
+    monkeypatch.setattr(engine, "region_slots", lambda n, new=None, nodes=None: 10**9 if new and new > room
+                        else slots(n, new, nodes))
+    added.clear()
+    table = measure_round_costs(engine, [AR, B3, B16], contexts=[40], rounds=1, shared_from=32, rows=[1])
+    assert [p.budget for p in table.points] == ["ar", "3", "16"] and added == [40] * 3
+
+
 def test_an_adaptive_request_needs_a_batch_budget(llm):
     with pytest.raises(ValueError, match="batch_budget"):
         llm.batched().add(llm.encode("x"), params(), AR, True)
