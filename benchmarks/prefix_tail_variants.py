@@ -13,6 +13,18 @@ Qwen3-8B's heads, against copies of the kernel module changed in one thing each,
   registers leave them (216 by default): the cost of the register cut alone;
 - `E<r>`: the tail warp group at r registers (the consumers get what it frees);
 - `D16`: the tail's products at N = 16 instead of 8 (does their cost go by instruction or by column?);
+- `M`: the kernel with the tail's merge left out (no arrival count, no merge: the tail rows' output
+  is then wrong): the cost of the merge at the end of the last program;
+- `AM`: `A` without the merge: the tail warp group only waits on and releases slots;
+- `Z`: the tail warp group launched but idle (it joins no slot's release, reads nothing, merges
+  nothing): the cost of a fourth warp group's mere presence beside the register cut (`B216`);
+- `ZM`: `Z` with the merge (of empty partials): the arrival count and merge alone;
+- `R`: the tail rows shared out among the row-block programs instead of the split's tiles: each
+  program's tail warp group takes its rows (65 tokens x 4 heads, 2 programs: 2 rows each) over all
+  the split's tiles and writes them as the consumers do, so no partial, count or merge;
+- `QR`: the consumers' q.k with q in registers, read from shared memory once, instead of its 16 KB
+  being read again for every key tile (a program's tile reads about as many cycles of shared memory
+  as its products take: does that traffic bound it?);
 - `against` (with --against FILE): the kernel module in FILE, e.g. an earlier revision's
   (`git show REV:ddtree/kernels/prefix_attention_sm90.py > FILE`), at every token count.
 
@@ -55,9 +67,53 @@ CHANGES = {  # variant: the (old, new) text replacements of its copy
     "D16": [("return (8 if left <= 8 else 16), rows - left", "return 16, rows - left")],
     **{f"B{r}": [(REGISTERS_NO_TAIL[0], REGISTERS_NO_TAIL[1].format(r))] for r in (216, 224, 232)},
 }
+NO_MERGE = ('    gl.thread_barrier()\n    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")\n'
+            '    if arrived == parts - 1:', "    arrived = pid_m\n    if arrived == parts + 1:")
+IDLE_TAIL = [("    total = n_tiles + n_block\n", "    total = n_tiles * 0\n"),
+             *[(f"mbarrier.init({b}.index(i), count=CONSUMERS + (TAIL > 0))", f"mbarrier.init({b}.index(i), count=CONSUMERS)")
+               for b in ("k_empty", "v_empty")]]
+Q_IN_REGISTERS = [  # the consumers' q.k with q in registers (read from shared memory once) instead of shared memory
+    ("    _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, BLOCK_M)\n",
+     "    _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, BLOCK_M)\n"
+     "    q_reg = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=QK, k_width=2))\n"),
+    ("    s = warpgroup_mma(q_smem, k_ring.index(0)", "    s = warpgroup_mma(q_reg, k_ring.index(0)"),
+    ("    s = warpgroup_mma_wait(0, deps=(s, ))\n    mbarrier.arrive(k_empty.index(0)",
+     "    s, q_reg = warpgroup_mma_wait(0, deps=(s, q_reg))\n    mbarrier.arrive(k_empty.index(0)"),
+    ("        s_token = warpgroup_mma(q_smem, k_ring", "        s_token = warpgroup_mma(q_reg, k_ring"),
+    ("            s = warpgroup_mma_wait(1, deps=(s_token, ))\n        else:",
+     "            s, q_reg = warpgroup_mma_wait(1, deps=(s_token, q_reg))\n        else:"),
+    ("            s = warpgroup_mma_wait(2, deps=(s_token, ))", "            s, q_reg = warpgroup_mma_wait(2, deps=(s_token, q_reg))"),
+]
+_TEXT = SOURCE.read_text()
+_TAIL_BODY = _TEXT[_TEXT.index("    _inputs_ready()\n    parts = gl.num_programs(0)"):_TEXT.index("\n\n@gluon.jit\ndef _tail_seen")]
+ROWS_SHARED = [(_TAIL_BODY, """    _inputs_ready()
+    parts = gl.num_programs(0)
+    pid_m = gl.program_id(0)
+    total = n_tiles + n_block
+    share = gl.cdiv(rows - row0, parts)
+    mine = row0 + pid_m * share
+    mine_end = gl.minimum(mine + share, rows)
+    if mine < mine_end:
+        acc, m_i, l_i = _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 0,
+                                     total, mine, mine_end, head, stride_qt, stride_qh, start, end, n_tiles, block_cols,
+                                     mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
+        ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
+        rws = mine + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
+        dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
+        out = acc * gl.where(l_i > 0.0, 1.0 / l_i, 0.0)[None, :]
+        gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
+                 mask=(rws[None, :] < mine_end) & (dims[:, None] < D))
+        lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
+        gl.store(lse_ptr + base + rws, lse, mask=rws < mine_end)
+    else:
+        _release(k_ready, k_empty, v_ready, v_empty, 0, total, STAGES)""")]
+CHANGES |= {"M": [NO_MERGE], "AM": CHANGES["A"] + [NO_MERGE], "Z": IDLE_TAIL + [NO_MERGE], "ZM": IDLE_TAIL, "QR": Q_IN_REGISTERS,
+            "R": ROWS_SHARED}
 RUNS = [("base", 64), ("base", 65), ("base", 256), ("base", 257), ("notail", 65), ("notail", 257),
         ("A", 65), ("A", 257), ("B216", 64), ("B216", 256), ("B224", 64), ("B232", 64),
-        ("E40", 65), ("E40", 257), ("E32", 65), ("E24", 65), ("D16", 65), ("D16", 257)]
+        ("E40", 65), ("E40", 257), ("E32", 65), ("E24", 65), ("D16", 65), ("D16", 257),
+        *[(name, n) for name in ("M", "AM", "Z", "ZM") for n in (65, 257)], *[("QR", n) for n in (64, 65, 256, 257)],
+        ("R", 65), ("R", 257)]
 
 
 def variant(name: str, text: str):
