@@ -245,15 +245,16 @@ class Engine:
 
     # -- the two halves of a round -------------------------------------------------------------
 
-    def _draft_logits(self, root: torch.Tensor, n: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def _draft_logits(self, root: torch.Tensor, n: torch.Tensor, kv_len: int, min_prefix: int = 0) -> torch.Tensor:
         """Drafter pass over [root, MASK x (b-1)] at positions n..n+b-1 -> logits [b-1, V] (float32).
-        kv_len >= n + b: the (bucketed) number of drafter cache slots read."""
+        kv_len >= n + b: the (bucketed) number of drafter cache slots read; min_prefix: a lower bound
+        of n for every run at kv_len (`_min_prefix`: the drafter's context is the committed sequence)."""
         scale = self.drafter.config.input_embedding_scale
         noise = self.draft_noise  # rows 1.. hold the mask token's embedding since __init__
         torch.index_select(self.target.embed_tokens.weight, 0, root.reshape(1), out=noise[:1])
         if scale != 1.0:
             noise[:1].mul_(scale)
-        hidden = self.drafter(noise, self.drafter.block_metas(n, self.block_size, kv_len), self.draft_cache)
+        hidden = self.drafter(noise, self.drafter.block_metas(n, self.block_size, kv_len, min_prefix), self.draft_cache)
         return self.drafter.logits(hidden[1:], self.target.lm_head)
 
     def _build(self, budget: TreeShape, logits: torch.Tensor, root: torch.Tensor) -> None:
@@ -295,7 +296,8 @@ class Engine:
         if not budget.drafts:
             bufs.tokens.copy_(self.root.reshape(1))  # the one node's shape is stored in prepare
         else:
-            self._build(budget, self._draft_logits(self.root, self.n, kv_len), self.root)
+            self._build(budget, self._draft_logits(self.root, self.n, kv_len, self._min_prefix(budget, kv_len)),
+                        self.root)
         return self._verify(budget, kv_len)
 
     def _front_into_buffer(self, budget: TreeShape, kv_len: int) -> torch.Tensor:
@@ -521,7 +523,7 @@ class Engine:
         kv_len = self._front_kv_len(budget, self._host_n + self.buffers[budget].keep)
         phases: dict[str, Callable[[], object]] = {}
         if budget.drafts:
-            phases["draft"] = lambda: self._draft_logits(self.root, self.n, kv_len)
+            phases["draft"] = lambda: self._draft_logits(self.root, self.n, kv_len, self._min_prefix(budget, kv_len))
             logits = phases["draft"]()  # the build's log-softmax counts as build
             phases["build"] = lambda: self._build(budget, logits, self.root)
         phases["verify"] = lambda: self._verify(budget, kv_len)

@@ -51,6 +51,27 @@ def test_min_prefix_bounds_every_committed_length_a_front_runs_at(llm, budget):
         assert engine._min_prefix(budget, kv_len) == n
 
 
+@pytest.mark.parametrize("budget", ["chain", 7])
+def test_the_drafters_attention_gets_the_fronts_bound_on_the_context(llm, budget, monkeypatch):
+    """The drafter's context is the committed sequence, so its block attends with the target's
+    `_min_prefix` (which lets a long context take the prefix kernel on a GPU), a bound of every
+    context length it runs at."""
+    engine, budget = llm.engine, parse_tree_budget(budget)
+    drafter = engine.drafter
+    seen: list[tuple[int, int, int]] = []  # (context length, kv_len, the full layers' min_prefix)
+    real = type(drafter).block_metas
+
+    def recording(self, context_len, block, kv_len, *rest, **kw):
+        metas = real(self, context_len, block, kv_len, *rest, **kw)
+        seen.append((int(context_len), kv_len, metas["full"].min_prefix))
+        return metas
+
+    monkeypatch.setattr(type(drafter), "block_metas", recording)
+    llm.generate([3 + i % 90 for i in range(120)], SamplingParams(max_tokens=30, ignore_eos=True), budget)
+    assert seen and all(0 < least <= n for n, _, least in seen)
+    assert all(least == engine._min_prefix(budget, kv_len) for _, kv_len, least in seen)
+
+
 def test_warmup_prepares_the_budget(llm):
     llm.warmup(16)
     assert TreeShape.best(16) in llm.engine.buffers

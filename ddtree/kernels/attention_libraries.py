@@ -104,8 +104,12 @@ def _cudnn_keys(q: torch.Tensor, k: torch.Tensor, min_prefix: int) -> int:
 # On by default on sm_90 (DDTREE_GLUON_PREFIX=0 turns it off): the whole unmasked prefix through the
 # warp-specialised Gluon kernel of `prefix_attention_sm90`, merged in the combine launch; 2-byte
 # types, where the engine's bound on the prefix (min_prefix) is long and the rows per KV head are
-# many enough to gain (H200, benchmarks/prefix_attention_sm90.py: at head_dim 128, 68 rows lose
-# 3 us to the extra launch and 260 gain 11 us; at 256, 102 rows gain 22 us over 32k keys).
+# many enough to gain (H200, benchmarks/prefix_attention_sm90.py: at head_dim 128, 68 rows lost
+# 3 us to the extra launch the tree's block then took and 260 gained 11 us; at 256, 102 rows gain
+# 22 us over 32k keys). With the block in the same launch (GLUON_BLOCK), 64 rows at head_dim 128
+# (the drafter's block of 16, the chain, budget 15) gain too: the drafter's five layers at 32k 1.18
+# -> 1.15 ms a round on the H200, and rounds at 8k on an H100 no slower (benchmarks/README.md, "The
+# drafter's block through the prefix kernel").
 GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
 # With it, the tree's block goes through the same launch (its first split reads the block's columns
 # through the mask) instead of a Triton launch of its own; DDTREE_GLUON_BLOCK=0 keeps the latter.
@@ -117,7 +121,7 @@ GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
 GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
 GLUON_MIN_KEYS = 4096
-GLUON_MIN_ROWS = {64: 129, 128: 129, 256: 65}  # by head_dim
+GLUON_MIN_ROWS = {64: 129, 128: 64, 256: 65}  # by head_dim
 _GLUON_FAILED: set = set()  # (dtype, head_dim) at which it failed to build or launch: the Triton kernel's there
 
 

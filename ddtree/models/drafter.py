@@ -146,11 +146,15 @@ class DFlashDrafter(nn.Module):
                                   a.k_norm.weight, cos, sin, a.n_kv, a.head_dim, a.k_norm.eps)
             cache.write(a.layer_idx, slots, k, v, 0)
 
-    def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int) -> dict[str, AttentionMeta]:
+    def block_metas(self, context_len: torch.Tensor, block: int, kv_len: int,
+                    min_prefix: int = 0) -> dict[str, AttentionMeta]:
         """Attention metadata for a block at positions context_len .. context_len + block - 1.
 
         context_len: [] long (on the device); kv_len >= context_len + block (columns past the block are
-        padding). Full layers see the context and the whole block; sliding layers are causal and windowed.
+        padding); min_prefix: a lower bound of context_len for every run of these shapes (a CUDA
+        graph's replays included), which lets a long context go through the prefix kernel
+        (`AttentionMeta.min_prefix`). Full layers see the context and the whole block; sliding layers
+        are causal and windowed.
         """
         cfg = self.config
         positions, sliding, sliding_ranges = self.ops.block_masks(
@@ -158,7 +162,8 @@ class DFlashDrafter(nn.Module):
         key = (block, context_len.device)
         if key not in self._block_visible:  # made on the first (eager) call, before any graph capture
             self._block_visible[key] = torch.ones(block, block, dtype=torch.bool, device=context_len.device)
-        metas = {"full": AttentionMeta(positions, kv_len, prefix_len=context_len, block_mask=self._block_visible[key])}
+        metas = {"full": AttentionMeta(positions, kv_len, prefix_len=context_len, block_mask=self._block_visible[key],
+                                       min_prefix=min_prefix)}
         if sliding is not None:
             metas["sliding"] = AttentionMeta(positions, kv_len, sliding, ranges=sliding_ranges)
         return metas
