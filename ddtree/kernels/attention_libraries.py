@@ -122,6 +122,9 @@ GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 64, 256: 65}  # by head_dim
+# A batch's rows in one launch (`attend_batch`) keep 129 at head_dim 128: 64-row batches through
+# the kernel (the batched engine's drafts and budget-15 verifies) have not been timed.
+GLUON_MIN_ROWS_BATCH = GLUON_MIN_ROWS | {128: 129}
 _GLUON_FAILED: set = set()  # (dtype, head_dim) at which it failed to build or launch: the Triton kernel's there
 
 
@@ -142,9 +145,9 @@ def _gluon_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_prefix:
     cache TMA can read: heads contiguous, 16-byte aligned rows), unless it failed at this dtype and
     head_dim before (`_GLUON_FAILED`). tokens: a sequence's tokens where q holds a batch's."""
     n, hq, d = q.shape
-    n = n if tokens is None else tokens
+    n, least = (n, GLUON_MIN_ROWS) if tokens is None else (tokens, GLUON_MIN_ROWS_BATCH)
     return (GLUON_PREFIX and not _INTERPRETED and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and d in GLUON_MIN_ROWS and n * (hq // k.shape[1]) >= GLUON_MIN_ROWS[d]
+            and d in least and n * (hq // k.shape[1]) >= least[d]
             and min_prefix >= GLUON_MIN_KEYS
             and all(x.stride(1) == d and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 for x in (k, v))
             and torch.cuda.get_device_capability(q.device) == (9, 0) and (q.dtype, d) not in _GLUON_FAILED
