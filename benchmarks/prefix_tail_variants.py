@@ -15,6 +15,8 @@ Qwen3-8B's heads, against copies of the kernel module changed in one thing each,
 - `D16`: the tail's products at N = 16 instead of 8 (does their cost go by instruction or by column?);
 - `M`: the kernel with the tail's merge left out (no arrival count, no merge: the tail rows' output
   is then wrong): the cost of the merge at the end of the last program;
+- `MB`: `M` with the warp group's barrier before the count kept (M, which drops both, was slower
+  than the kernel on the H200: is it the barrier?);
 - `AM`: `A` without the merge: the tail warp group only waits on and releases slots;
 - `Z`: the tail warp group launched but idle (it joins no slot's release, reads nothing, merges
   nothing): the cost of a fourth warp group's mere presence beside the register cut (`B216`);
@@ -107,12 +109,14 @@ ROWS_SHARED = [(_TAIL_BODY, """    _inputs_ready()
         gl.store(lse_ptr + base + rws, lse, mask=rws < mine_end)
     else:
         _release(k_ready, k_empty, v_ready, v_empty, 0, total, STAGES)""")]
-CHANGES |= {"M": [NO_MERGE], "AM": CHANGES["A"] + [NO_MERGE], "Z": IDLE_TAIL + [NO_MERGE], "ZM": IDLE_TAIL, "QR": Q_IN_REGISTERS,
+NO_COUNT = ('    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")\n    if arrived == parts - 1:',
+            "    arrived = pid_m\n    if arrived == parts + 1:")
+CHANGES |= {"M": [NO_MERGE], "MB": [NO_COUNT], "AM": CHANGES["A"] + [NO_MERGE], "Z": IDLE_TAIL + [NO_MERGE], "ZM": IDLE_TAIL, "QR": Q_IN_REGISTERS,
             "R": ROWS_SHARED}
 RUNS = [("base", 64), ("base", 65), ("base", 256), ("base", 257), ("notail", 65), ("notail", 257),
         ("A", 65), ("A", 257), ("B216", 64), ("B216", 256), ("B224", 64), ("B232", 64),
         ("E40", 65), ("E40", 257), ("E32", 65), ("E24", 65), ("D16", 65), ("D16", 257),
-        *[(name, n) for name in ("M", "AM", "Z", "ZM") for n in (65, 257)], *[("QR", n) for n in (64, 65, 256, 257)],
+        *[(name, n) for name in ("M", "MB", "AM", "Z", "ZM") for n in (65, 257)], *[("QR", n) for n in (64, 65, 256, 257)],
         ("R", 65), ("R", 257)]
 
 
