@@ -1,11 +1,13 @@
 """The tree build alone: `ddtree.tree.build_tree` (PyTorch operators) against the Triton kernels
 of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Qwen3 vocabularies.
 
-    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--launches]
+    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--ranks auto,radix,bitonic] [--launches]
         [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
 
 Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
-for each selection variant of the Triton build ("sort", "topk"), and whether each output is
+for each selection variant of the Triton build ("sort", "topk") and each way of its rank kernels
+(`--ranks auto,radix,bitonic`: each launch's choice by `RADIX_MIN_K`, the default, or the radix
+select or the bitonic top-k in both), and whether each output is
 identical to `build_tree`'s; with --launches, also each of its four kernel launches alone. With
 --rank-warps / --select-warps, every combination of the two is timed as its own variant
 (`topk_r8_s16_us`, ...); without them, the plan's defaults.
@@ -54,6 +56,8 @@ def main() -> None:
     ap.add_argument("--vocabs", default="8192,151936")
     ap.add_argument("--depths", type=int, default=15)
     ap.add_argument("--selections", default="sort,topk", help="the Triton build's selection variants to time")
+    ap.add_argument("--ranks", default="auto", help="the rank kernels' variants to time (auto, radix, bitonic); a "
+                    "variant other than auto is named {selection}_{rank}")
     ap.add_argument("--launches", action="store_true", help="also time each of the build's four kernel launches alone")
     ap.add_argument("--rank-warps", default=None, help="warps per rank program to try, e.g. 4,8,16")
     ap.add_argument("--select-warps", default=None, help="warps of the select program to try, e.g. 4,8,16")
@@ -73,11 +77,12 @@ def main() -> None:
             if args.rank_warps or args.select_warps:
                 warps = [(int(r), int(w)) for r in (args.rank_warps or "8").split(",")
                          for w in (args.select_warps or "8").split(",")]
-            for selection in args.selections.split(","):
+            for selection, rank in [(s, r) for s in args.selections.split(",") for r in args.ranks.split(",")]:
                 for rank_warps, select_warps in warps:
-                    name = selection if rank_warps is None else f"{selection}_r{rank_warps}_s{select_warps}"
+                    name = selection + ("" if rank == "auto" else f"_{rank}")
+                    name += "" if rank_warps is None else f"_r{rank_warps}_s{select_warps}"
                     plan = TreeBuildPlan(budget, args.depths, vocab, "cuda", selection=selection,
-                                         rank_warps=rank_warps or 8, select_warps=select_warps)
+                                         rank_warps=rank_warps or 8, select_warps=select_warps, rank=rank)
                     row[f"{name}_supported"] = plan.supported
                     if plan.supported:
                         row.update(time_plan(plan, name, logp, root, ref, args.launches))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.tree import build_tree
+from ddtree.tree import build_tree, rank_tokens
 
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")  # without a GPU, conftest has put Triton in interpreter mode
@@ -34,11 +34,11 @@ def draft_logp(depths: int, vocab: int, seed: int, levels: int = 0, dead_from: i
     return torch.log_softmax(logits, dim=-1).to(DEVICE)
 
 
-def check(budget: int, depths: int, vocab: int, selection: str = "topk", **kw) -> None:
+def check(budget: int, depths: int, vocab: int, selection: str = "topk", rank: str = "radix", **kw) -> None:
     logp = draft_logp(depths, vocab, **kw)
     root = torch.tensor(5, device=DEVICE)
     ref = build_tree(logp, root, budget)
-    plan = TreeBuildPlan(budget, depths, vocab, DEVICE, selection=selection)
+    plan = TreeBuildPlan(budget, depths, vocab, DEVICE, selection=selection, rank=rank)
     assert plan.supported
     n = budget + 1
     out = dict(tokens=torch.full((n,), 99, dtype=torch.long, device=DEVICE),
@@ -46,10 +46,14 @@ def check(budget: int, depths: int, vocab: int, selection: str = "topk", **kw) -
                depths=torch.full((n,), 99, dtype=torch.long, device=DEVICE),
                valid=torch.zeros(n, dtype=torch.bool, device=DEVICE),
                visible=torch.ones(n, n, dtype=torch.bool, device=DEVICE))
+    ranked_logp, ranked_tok = rank_tokens(logp, plan.k)
     for _ in range(2):  # twice: stale scratch from the first build must not leak into the second
         plan.build(logp, root, **out)
         for name, got in out.items():
-            assert torch.equal(got, getattr(ref, name)), (name, budget, depths, vocab, selection, kw)
+            assert torch.equal(got, getattr(ref, name)), (name, budget, depths, vocab, selection, rank, kw)
+        # the whole ranking, which a tree uses only the head of
+        assert torch.equal(plan.ranked_tok[:depths], ranked_tok), (budget, depths, vocab, rank, kw)
+        assert torch.equal(plan.ranked_logp[:depths], ranked_logp), (budget, depths, vocab, rank, kw)
 
 
 def test_candidates_are_the_pairs_that_can_win():
@@ -86,9 +90,10 @@ def test_the_cases_cover_full_depth_and_skipped_levels():
     assert sum(d < total for d, total in deepest.values()) >= 4
 
 
+@pytest.mark.parametrize("rank", ["radix", "bitonic"])
 @pytest.mark.parametrize("budget,depths,vocab,kw", SMALL)
-def test_fused_build_equals_build_tree(budget, depths, vocab, kw):
-    check(budget, depths, vocab, "topk", **kw)
+def test_fused_build_equals_build_tree(budget, depths, vocab, kw, rank):
+    check(budget, depths, vocab, "topk", rank, **kw)
 
 
 # The bitonic-sort selection (kept as a reference for the default top-k) on the cases with ties, a
@@ -100,6 +105,17 @@ SORT_CASES = [SMALL[i] for i in (1, 2, 3, 9)]
 @pytest.mark.parametrize("budget,depths,vocab,kw", SORT_CASES)
 def test_sort_selection_equals_build_tree(budget, depths, vocab, kw):
     check(budget, depths, vocab, "sort", **kw)
+
+
+@pytest.mark.parametrize("rank", ["radix", "bitonic"])
+@pytest.mark.parametrize("kw", [dict(seed=11, levels=1), dict(seed=12), dict(seed=13, dead_from=1)])
+def test_rank_over_several_chunks_equals_build_tree(rank, kw):
+    """A vocabulary of three rank chunks (1024 tokens each at K = 16): ties of one value in every
+    chunk (levels=1 leaves a few dozen values over 3000 tokens), where the merge must keep the
+    smallest token ids, and depths that are -inf but for three tokens."""
+    plan = TreeBuildPlan(16, 3, 3000, DEVICE)
+    assert plan.chunks == 3
+    check(16, 3, 3000, rank=rank, **kw)
 
 
 def test_many_trees_in_one_build_equal_each_built_alone():
@@ -129,16 +145,18 @@ def test_many_trees_in_one_build_equal_each_built_alone():
 def test_unknown_selection_is_refused():
     with pytest.raises(ValueError, match="selection"):
         TreeBuildPlan(16, 15, 50, DEVICE, selection="heap")
+    with pytest.raises(ValueError, match="rank"):
+        TreeBuildPlan(16, 15, 50, DEVICE, rank="heap")
 
 
 @pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (the interpreter is slow)")
-@pytest.mark.parametrize("selection", ["sort", "topk"])
+@pytest.mark.parametrize("selection,rank", [("topk", "auto"), ("sort", "auto"), ("topk", "radix"), ("topk", "bitonic")])
 @pytest.mark.parametrize("budget", [16, 64, 256, 512, 1024])
 @pytest.mark.parametrize("vocab", [8192, 151936])
-def test_fused_build_equals_build_tree_at_real_sizes(budget, vocab, selection):
+def test_fused_build_equals_build_tree_at_real_sizes(budget, vocab, selection, rank):
     plan = TreeBuildPlan(budget, 15, vocab, DEVICE)
     if not plan.supported:
         pytest.skip(f"budget {budget} at vocabulary {vocab} falls back to build_tree")
     for seed, levels in [(0, 0), (1, 2), (2, 1)]:
-        check(budget, 15, vocab, selection, seed=seed, levels=levels)
-    check(budget, 15, vocab, selection, seed=3, dead_from=5)
+        check(budget, 15, vocab, selection, rank, seed=seed, levels=levels)
+    check(budget, 15, vocab, selection, rank, seed=3, dead_from=5)

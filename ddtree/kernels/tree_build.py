@@ -4,7 +4,9 @@
 over B x B candidates each time); on a small target that is most of a round. Here:
 
 - rank (grid: depths x vocab chunks, then depths): the best K = min(B, V) tokens of each depth,
-  ties by token id: the best of unique int64 keys per chunk, then of the chunks' heads;
+  ties by token id: the best of unique int64 keys per chunk, then of the chunks' heads, each by
+  a bitonic top-k (`_best`) or, where K is large enough for it to pay, a radix select over the
+  block in registers (`_radix_best`; `RADIX_MIN_K`);
 - select (one program per tree): the level-by-level top-B of `build_tree`, then the global top-B, node
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
@@ -36,6 +38,11 @@ except ImportError:  # the CPU install has no Triton: `build_tree` is used inste
     triton = None
 
 MAX_SORT = 8192  # the largest key block one program sorts (registers, not a correctness limit)
+# The least KP (K rounded up to a power of two) at which each rank launch takes the radix select
+# instead of the bitonic top-k. H200, Qwen3's vocabulary, 15 depths, us per launch, bitonic / radix
+# (benchmarks/README.md, "The rank kernels' radix select"): chunks 38 / 89 at K = 16, 74 / 103 at
+# 64, 185 / 144 at 256; merge 14 / 20, 46 / 37, 88 / 35.
+RADIX_MIN_K = {"chunks": 256, "merge": 64}
 
 
 def _pow2(n: int) -> int:
@@ -55,19 +62,25 @@ class TreeBuildPlan:
     `rows` trees at once."""
 
     def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "topk",
-                 rank_warps: int = 8, select_warps: int | None = None, rows: int = 1):
+                 rank_warps: int = 8, select_warps: int | None = None, rows: int = 1, rank: str = "auto"):
         """selection: "topk" (`tl.topk`, the default: 1.3-2.9x faster than "sort" on an H200 at
         budgets 16-256, benchmarks/README.md) or "sort" (a full bitonic sort per selection, kept as
         a cross-check). benchmarks/tree_build.py times both; both give the same tree.
         rank_warps / select_warps: warps per program of the rank kernels and of select (None:
         by select's largest block); benchmarks/tree_build.py --rank-warps / --select-warps times them.
-        rows: the most trees one `build` makes (a batched round's rows); the scratch is sized for them."""
+        rows: the most trees one `build` makes (a batched round's rows); the scratch is sized for them.
+        rank: how the rank kernels take a block's best keys: "auto" (each launch by `RADIX_MIN_K`),
+        "radix" (`_radix_best`) or "bitonic" (`_best` with this selection) in both."""
         if selection not in ("sort", "topk"):
             raise ValueError(f"selection must be 'sort' or 'topk', got {selection!r}")
+        if rank not in ("auto", "radix", "bitonic"):
+            raise ValueError(f"rank must be 'auto', 'radix' or 'bitonic', got {rank!r}")
         self.budget, self.depth_count, self.vocab, self.rows = budget, depth_count, vocab, rows
         self.topk = selection == "topk"
         self.k = min(budget, vocab)
         self.kp = max(2, _pow2(self.k))  # block sizes >= 2: `tl.topk` cannot reduce to one element
+        self.radix = {launch: rank == "radix" or (rank == "auto" and self.kp >= least)
+                      for launch, least in RADIX_MIN_K.items()}
         self.chunk = max(self.kp, min(1024, _pow2(vocab)), _pow2(math.ceil(vocab * self.kp / MAX_SORT)))
         self.chunks = math.ceil(vocab / self.chunk)
         self.merge = _pow2(self.chunks) * self.kp
@@ -83,6 +96,8 @@ class TreeBuildPlan:
         d, b = depth_count, budget
         self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
         self.heads = torch.empty(rows * d, self.chunks, self.kp, dtype=torch.int64, device=device)
+        # `_radix_best`'s gathered keys, one [kp] slot per rank program: chunks', then merges'
+        self.gathered = torch.empty(rows * d * (self.chunks + 1), self.kp, dtype=torch.int64, device=device)
         self.ranked_logp = torch.empty(rows * d, self.k, dtype=torch.float32, device=device)
         self.ranked_tok = torch.empty(rows * d, self.k, dtype=torch.int64, device=device)
         self.level_parent = torch.empty(rows, d, b, dtype=torch.int32, device=device)
@@ -109,14 +124,15 @@ class TreeBuildPlan:
         block_rows = 8
 
         def rank_chunks():  # rows x depths as one axis: each (row, depth) is ranked alone
-            _rank_chunks[(trees * d, self.chunks)](logp, self.heads, v, CHUNK=self.chunk, KP=self.kp,
-                                                   CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
+            _rank_chunks[(trees * d, self.chunks)](logp, self.heads, self.gathered, v, CHUNK=self.chunk, KP=self.kp,
+                                                   CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, RADIX=self.radix["chunks"],
                                                    num_warps=self.rank_warps)
 
         def rank_merge():
-            _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
-                                      KP=self.kp, MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v),
-                                      TOPK=self.topk, num_warps=self.rank_warps)
+            _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok,
+                                      self.gathered[trees * d * self.chunks:], v, K=self.k, KP=self.kp,
+                                      MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
+                                      RADIX=self.radix["merge"], num_warps=self.rank_warps)
 
         def select():
             _select[(1, trees)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
@@ -162,6 +178,43 @@ if triton is not None:
         return best
 
     @triton.jit
+    def _radix_best(key, slot_ptr, N: tl.constexpr, KP: tl.constexpr, IB: tl.constexpr):
+        """The KP largest of key [N] (unique `_key`s, -1 for none), largest first, -1 past the live
+        ones, where keys of one value lie in position order along the block (a chunk's keys; the
+        chunks' heads, each best first, chunk after chunk).
+
+        A radix select finds the KP-th largest value (the keys' high 32 bits, 8 a pass, each pass
+        a histogram of the block's registers over the values that match the bits found so far);
+        the keys above it and, of those at it, the first in block order (the smallest positions,
+        as the keys order their ties) are gathered through slot_ptr [KP] (global scratch, in the
+        order their cumulative counts give) and sorted. Cost: four histograms and a sort of KP,
+        where a bitonic top-k of N takes ~log2(KP)^2 / 2 compare-exchange passes over the block."""
+        live = key >= 0
+        value = key >> IB
+        bins = tl.arange(0, 256)
+        take = tl.minimum(tl.sum(live.to(tl.int32), 0), KP)
+        need = take  # of the keys matching `prefix`, how many the best KP still hold
+        prefix = tl.full([], 0, tl.int64)  # the KP-th largest value's high bits, 8 more a pass
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            match = live & ((value >> (shift + 8)) == prefix)
+            hist = tl.histogram(((value >> shift) & 255).to(tl.int32), 256, mask=match)
+            above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # matching keys whose digit is past each bin
+            digit = tl.max(tl.where((above < need) & (above + hist >= need), bins, 0), 0)
+            need -= tl.sum(tl.where(bins == digit, above, 0), 0)
+            prefix = (prefix << 8) | digit.to(tl.int64)
+        # Now `take - need` keys have a larger value than `prefix` and at least `need` have it.
+        over = live & (value > prefix)
+        at = tl.cumsum(over.to(tl.int32), 0) - 1
+        tl.store(slot_ptr + at, key, mask=over & (at < take))
+        tie = live & (value == prefix)
+        at = take - need + tl.cumsum(tie.to(tl.int32), 0) - 1
+        tl.store(slot_ptr + at, key, mask=tie & (at < take))
+        tl.debug_barrier()  # the program's stores above, before its loads below
+        o = tl.arange(0, KP)
+        return tl.sort(tl.load(slot_ptr + o, mask=o < take, other=-1), descending=True)
+
+    @triton.jit
     def _position(key, IB: tl.constexpr):
         return (1 << IB) - 1 - (key & ((1 << IB) - 1))
 
@@ -172,8 +225,8 @@ if triton is not None:
         return tl.where(t >= 0, t, t ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _rank_chunks(logp_ptr, heads_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr, CHUNKS: tl.constexpr,
-                     IB: tl.constexpr, TOPK: tl.constexpr):
+    def _rank_chunks(logp_ptr, heads_ptr, gathered_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr,
+                     CHUNKS: tl.constexpr, IB: tl.constexpr, TOPK: tl.constexpr, RADIX: tl.constexpr):
         """Program (depth, chunk): the chunk's best KP keys, best first, into heads[depth, chunk]."""
         d = tl.program_id(0)
         c = tl.program_id(1)
@@ -181,16 +234,25 @@ if triton is not None:
         tok = c * CHUNK + offs
         inside = tok < V
         v = tl.load(logp_ptr + d * V + tok, mask=inside, other=0.0)
-        best = _best(tl.where(inside, _key(v, tok, IB), -1), CHUNK, KP, TOPK)  # [KP]
+        key = tl.where(inside, _key(v, tok, IB), -1)
+        if RADIX:
+            best = _radix_best(key, gathered_ptr + (d * CHUNKS + c) * KP, CHUNK, KP, IB)
+        else:
+            best = _best(key, CHUNK, KP, TOPK)  # [KP]
         tl.store(heads_ptr + (d * CHUNKS + c) * KP + tl.arange(0, KP), best)
 
     @triton.jit
-    def _rank_merge(heads_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr, KP: tl.constexpr,
-                    MERGE: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr, TOPK: tl.constexpr):
+    def _rank_merge(heads_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, gathered_ptr, V, K: tl.constexpr,
+                    KP: tl.constexpr, MERGE: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr,
+                    TOPK: tl.constexpr, RADIX: tl.constexpr):
         """Program depth: the best K of all chunks' heads -> ranked log-probs and token ids [K]."""
         d = tl.program_id(0)
         offs = tl.arange(0, MERGE)
-        best = _best(tl.load(heads_ptr + d * HEADS + offs, mask=offs < HEADS, other=-1), MERGE, KP, TOPK)
+        heads = tl.load(heads_ptr + d * HEADS + offs, mask=offs < HEADS, other=-1)
+        if RADIX:
+            best = _radix_best(heads, gathered_ptr + d * KP, MERGE, KP, IB)
+        else:
+            best = _best(heads, MERGE, KP, TOPK)
         o = tl.arange(0, KP)
         first = o < K
         tok = _position(best, IB)
