@@ -37,6 +37,8 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
     ("qwen3-8b, a batch's rows, two consumers and a tail of 8", 4, 128, "bf16",
      {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "BATCHED": True}),
+    ("qwen3-8b, a tail of 8 left to the combine", 4, 128, "bf16",
+     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "TAIL_MERGE": False}),
     ("qwen3.6-27b, a batch's rows, one consumer", 6, 256, "bf16",
      {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1, "BATCHED": True}),
 )
@@ -67,7 +69,7 @@ def main() -> int:
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "SKIP_IDLE": True, "TAIL": tail,
                       "BLOCK_N": t["BLOCK_N"], "STAGES": t["STAGES"], "Q_SMEM": q_smem,
                       "CONSUMER_REGS": consumer_regs, "TAIL_REGS": tail_regs, "BATCHED": t.get("BATCHED", False),
-                      "num_warps": 4}
+                      "TAIL_MERGE": t.get("TAIL_MERGE", True), "num_warps": 4}
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
