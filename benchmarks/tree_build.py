@@ -1,8 +1,8 @@
 """The tree build alone: `ddtree.tree.build_tree` (PyTorch operators) against the Triton kernels
 of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Qwen3 vocabularies.
 
-    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--ranks auto,radix,bitonic] [--launches]
-        [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
+    python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--launches]
+        [--ranks auto,radix,bitonic] [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
 
 Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
 for each selection variant of the Triton build ("sort", "topk") and each way of its rank kernels

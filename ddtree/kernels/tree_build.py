@@ -125,8 +125,8 @@ class TreeBuildPlan:
 
         def rank_chunks():  # rows x depths as one axis: each (row, depth) is ranked alone
             _rank_chunks[(trees * d, self.chunks)](logp, self.heads, self.gathered, v, CHUNK=self.chunk, KP=self.kp,
-                                                   CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk, RADIX=self.radix["chunks"],
-                                                   num_warps=self.rank_warps)
+                                                   CHUNKS=self.chunks, IB=_bits(v), TOPK=self.topk,
+                                                   RADIX=self.radix["chunks"], num_warps=self.rank_warps)
 
         def rank_merge():
             _rank_merge[(trees * d,)](self.heads, logp, self.ranked_logp, self.ranked_tok,
