@@ -23,9 +23,7 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   block's columns, merged in its combine launch); `gluon_whole_no_pdl`: the kernel and the combine
   launched after the launch before each has ended, not as programmatic dependent launches;
   `gluon_whole_unbalanced`: the first split taking its whole share of the prefix besides the block;
-  `gluon_whole_tail_in_combine`: the tail warp group's rows merged in the combine launch
-  (GLUON_TAIL_IN_COMBINE) instead of by each split's last program; with --repeats, the gluon_whole
-  figures too are the median of R interleaved passes;
+  with --repeats, the gluon_whole figures too are the median of R interleaved passes;
 - `cudnn_chunks`: `attention_libraries.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
 Hq FLOPs). The Gluon and cuDNN figures are the prefix alone: a merge with the tree's block would add
@@ -50,11 +48,8 @@ from ddtree.tree import build_tree
 
 
 # The whole-attention rows: (key, the block in the Gluon kernel, entries over its tiling).
-# (key, the block in the Gluon launch, tiling override, the tail's rows merged in the combine launch)
-GLUON_WHOLE = (("gluon_whole_us", True, {}, False), ("gluon_whole_triton_block_us", False, {}, False),
-               ("gluon_whole_no_pdl_us", True, {"PDL": False}, False),
-               ("gluon_whole_unbalanced_us", True, {"BALANCE": False}, False),
-               ("gluon_whole_tail_in_combine_us", True, {}, True))
+GLUON_WHOLE = (("gluon_whole_us", True, {}), ("gluon_whole_triton_block_us", False, {}),
+               ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}))
 
 
 def main() -> None:
@@ -90,15 +85,14 @@ def main() -> None:
                    "triton_whole_us": call_us(lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix))}
             switch, attention_libraries.GLUON_PREFIX = attention_libraries.GLUON_PREFIX, True
             picked = sm90.tiling
-            fold, tail_merge = attention_libraries.GLUON_BLOCK, attention_libraries.GLUON_TAIL_IN_COMBINE
+            fold = attention_libraries.GLUON_BLOCK
             try:  # the Gluon path whatever the rows (the engine's takes it from GLUON_MIN_ROWS on)
                 minimum = attention_libraries.GLUON_MIN_ROWS
                 attention_libraries.GLUON_MIN_ROWS = {64: 1, 128: 1, 256: 1}
                 whole = {}
                 for _ in range(args.repeats):  # passes, as the tilings below
-                    for key, block_in_gluon, override, tail_in_combine in GLUON_WHOLE:
+                    for key, block_in_gluon, override in GLUON_WHOLE:
                         attention_libraries.GLUON_BLOCK = block_in_gluon
-                        attention_libraries.GLUON_TAIL_IN_COMBINE = tail_in_combine
                         sm90.tiling = lambda *a, override=override: picked(*a) | override  # noqa: E731
                         whole.setdefault(key, []).append(call_us(
                             lambda: masked_attention(q, k, v, block, scale, prefix_len=prefix, min_prefix=context)))
@@ -111,7 +105,6 @@ def main() -> None:
             finally:
                 attention_libraries.GLUON_PREFIX, attention_libraries.GLUON_MIN_ROWS = switch, minimum
                 attention_libraries.GLUON_BLOCK, sm90.tiling = fold, picked
-                attention_libraries.GLUON_TAIL_IN_COMBINE = tail_merge
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))

@@ -3,7 +3,10 @@ GPU, at every tiling it picks from, at Qwen3-8B's and Qwen3.6-27B's heads, for o
 a batch's rows, and report its shared memory, its registers (maxnreg, and what setmaxnreg gives
 each partition) and any spills:
 
-    python scripts/compile_prefix_attention_sm90.py
+    python scripts/compile_prefix_attention_sm90.py [--sass-hash]
+
+--sass-hash adds a hash of each tiling's disassembled instructions (addresses dropped), to show that
+a change to the source left the machine code of a tiling as it was.
 
 Exit status 1 if a configuration does not compile. Compiling is not running: whether it is right and
 fast is the GPU's to find (tests/test_prefix_attention_sm90.py, benchmarks/prefix_attention_sm90.py).
@@ -37,11 +40,32 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
     ("qwen3-8b, a batch's rows, two consumers and a tail of 8", 4, 128, "bf16",
      {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "BATCHED": True}),
-    ("qwen3-8b, a tail of 8 left to the combine", 4, 128, "bf16",
-     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "TAIL_MERGE": False}),
     ("qwen3.6-27b, a batch's rows, one consumer", 6, 256, "bf16",
      {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1, "BATCHED": True}),
 )
+
+
+def sass_hash(cubin: bytes) -> str:
+    """A hash of the cubin's instructions as `cuobjdump -sass` prints them, addresses and
+    encodings dropped, and their count."""
+    import hashlib
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    lines = [re.sub(r"/\*[0-9a-f]{4,6}\*/", "", line).split(";")[0].strip() for line in text.splitlines()
+             if re.search(r"/\*[0-9a-f]{4,6}\*/", line)]
+    return f"{hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]} ({len(lines)} instructions)"
 
 
 def main() -> int:
@@ -69,7 +93,7 @@ def main() -> int:
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "SKIP_IDLE": True, "TAIL": tail,
                       "BLOCK_N": t["BLOCK_N"], "STAGES": t["STAGES"], "Q_SMEM": q_smem,
                       "CONSUMER_REGS": consumer_regs, "TAIL_REGS": tail_regs, "BATCHED": t.get("BATCHED", False),
-                      "TAIL_MERGE": t.get("TAIL_MERGE", True), "num_warps": 4}
+                      "num_warps": 4}
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -84,7 +108,8 @@ def main() -> int:
         shared = compiled.metadata.shared
         fits = "fits" if shared * t["PER_SM"] <= SHARED_LIMITS[90] else "OVER"
         print(f"ok     {name} {t}: shared {shared} bytes ({fits} at {t['PER_SM']} an SM), maxnreg {maxnreg} "
-              f"(consumers {consumer_regs}, loader 24{f', tail {tail_regs}' if tail else ''}), local {usage.get('local')}")
+              f"(consumers {consumer_regs}, loader 24{f', tail {tail_regs}' if tail else ''}), local {usage.get('local')}"
+              + (f", sass {sass_hash(compiled.asm['cubin'])}" if "--sass-hash" in sys.argv else ""))
     return 1 if failed else 0
 
 

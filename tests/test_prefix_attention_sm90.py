@@ -193,18 +193,16 @@ def test_the_block_in_the_first_split_equals_float64(heads, n, prefix, splits):
 
 @pytest.mark.parametrize("heads,context,n", [((32, 8, 128), 32768, 65), ((32, 8, 128), 8192, 257),
                                              ((24, 4, 256), 8192, 65)], ids=["8b-32k-65", "8b-8k-257", "27b-8k-65"])
-@pytest.mark.parametrize("fold,tail_in_combine", [(True, False), (False, False), (True, True)],
-                         ids=["block-in-gluon", "block-in-triton", "tail-in-combine"])
-def test_masked_attention_with_the_gluon_prefix(heads, context, n, fold, tail_in_combine, monkeypatch):
+@pytest.mark.parametrize("fold", [True, False], ids=["block-in-gluon", "block-in-triton"])
+def test_masked_attention_with_the_gluon_prefix(heads, context, n, fold, monkeypatch):
     """DDTREE_GLUON_PREFIX's path in `masked_attention`: the Gluon kernel over the prefix and the
-    tree's block (or, GLUON_BLOCK off, the Triton kernel over the block), one combine (which, with
-    GLUON_TAIL_IN_COMBINE, merges the tail warp group's rows too): equal to float64, eagerly and as
-    a graph replayed after the prefix length and the tree changed on the device."""
+    tree's block (or, GLUON_BLOCK off, the Triton kernel over the block), one combine: equal to
+    float64, eagerly and as a graph replayed after the prefix length and the tree changed on the
+    device."""
     from ddtree.kernels import attention_libraries, tree_attention
 
     monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
     monkeypatch.setattr(attention_libraries, "GLUON_BLOCK", fold)
-    monkeypatch.setattr(attention_libraries, "GLUON_TAIL_IN_COMBINE", tail_in_combine)
     keys = context + n + 300
     q, k, v = inputs(n, heads, keys)
     gen = torch.Generator(device="cuda").manual_seed(n)

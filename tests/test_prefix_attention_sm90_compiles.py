@@ -23,7 +23,7 @@ def test_gluon_prefix_kernel_compiles_for_sm90():
     from compile_prefix_attention_sm90 import TILINGS
 
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(lines) == len(TILINGS) == 12, done.stdout
+    assert len(lines) == len(TILINGS), done.stdout
     assert all("local 0" in line for line in lines), done.stdout  # no spills to local memory
     assert not any("OVER" in line for line in lines), done.stdout  # each fits its programs an SM
 

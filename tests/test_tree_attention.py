@@ -284,63 +284,6 @@ def test_partials_with_the_block_merge_alone(n, hq, hkv, d, context, lib_splits)
     torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
 
 
-def tail_partials(q, k, v, mask, full_rows, tail, items, scale):
-    """The rows from full_rows (the prefix kernel's tail) as `items` unnormalised partials in the
-    combine's part layout, made in float64: each row's seen keys cut into `items` runs (some empty),
-    part_o [items, Hkv, tail, D] (sums of exp2(s - m) v), part_ml [items, Hkv, tail, 2] (m, the base-2
-    running max, and the sum), s = q.k x scale x log2(e). Rows past the real ones hold NaN."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    part_o = torch.full((items, hkv, tail, d), float("nan"), dtype=torch.float64)
-    part_ml = torch.full((items, hkv, tail, 2), float("nan"), dtype=torch.float64)
-    for h in range(hkv):
-        for i in range(tail):
-            row = full_rows + i
-            if row >= n * group:
-                continue
-            tok, g = divmod(row, group)
-            seen = mask[tok].cpu().nonzero().flatten()
-            s = (q[tok, h * group + g].double().cpu() @ k[seen, h].double().cpu().T) * scale * 1.4426950408889634
-            for item, run in enumerate(torch.tensor_split(torch.arange(len(seen)), items)):
-                if len(run) == 0:
-                    part_o[item, h, i], part_ml[item, h, i] = 0.0, torch.tensor([float("-inf"), 0.0])
-                    continue
-                m = s[run].max()
-                w = torch.exp2(s[run] - m)
-                part_o[item, h, i] = w @ v[seen[run], h].double().cpu()
-                part_ml[item, h, i] = torch.stack([m, w.sum()])
-    return part_o.float().to(q.device), part_ml.float().to(q.device)
-
-
-@pytest.mark.parametrize("n,hq,hkv,d,context,lib_splits,items", [
-    (9, 8, 2, 16, 300, 3, 5),    # 36 rows a KV head: rows 32-35 the tail's
-    (33, 4, 1, 32, 520, 2, 16),  # 132 rows: 128-131
-    (5, 8, 1, 16, 200, 1, 3),    # 40 rows: 32-39, a tail of 8
-])
-def test_tail_rows_merge_from_their_own_partials(n, hq, hkv, d, context, lib_splits, items):
-    """`prefix_attention(tail_parts=True)`'s output (its float64 reference here): the splits' outputs
-    for the rows before the tail (the tail's rows there left as NaN, never read) and the tail rows'
-    own items, merged by one combine launch (`_merge_library(tail=)`): the whole attention."""
-    from ddtree.kernels import attention_libraries
-    from ddtree.kernels.prefix_attention_sm90 import reference as gluon_reference
-
-    kv_len = context + n + 11
-    q, k, v = inputs(n, hq, hkv, d, kv_len, torch.float32, seed=n + context, strided_cache=True)
-    mask = tree_mask(n, context, kv_len, seed=n).to(DEVICE)
-    block = mask[:, context:context + n].contiguous()
-    rows = n * (hq // hkv)
-    full_rows, tail = rows - rows % 16, 8
-    o, lse = gluon_reference(q, k, v, context, context + 64, lib_splits, d**-0.5, block=block)
-    o, lse = o.to(q.dtype), lse.float()
-    o[:, :, full_rows:], lse[:, :, full_rows:] = float("nan"), float("nan")
-    part_o, part_ml = tail_partials(q, k, v, mask, full_rows, tail, items, d**-0.5)
-    got = attention_libraries._merge_library(q, o, lse, n, None, tail=(part_o, part_ml, items, full_rows, tail))
-    torch.testing.assert_close(got.double(), reference(q, k, v, mask, d**-0.5).to(got.device), atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        attention_libraries._merge_library(q, o, lse, n, None, tail=(part_o, part_ml, items, full_rows - 4, tail))
-
-
 @pytest.mark.parametrize("n,hq,hkv,d,context,library_keys,lib_splits", [
     (9, 4, 2, 16, 300, 128, 1),   # 36 rows: one row block; the kernel's part starts mid-prefix
     (9, 4, 2, 16, 300, 256, 4),   # 44 keys of prefix left to the kernel: no whole key block

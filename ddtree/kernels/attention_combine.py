@@ -32,8 +32,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int, splits: int,
-                   config: AttentionConfig, library=None, rows_of=None, dependent: bool = False,
-                   tail_rows: tuple[int, int] | None = None) -> None:
+                   config: AttentionConfig, library=None, rows_of=None, dependent: bool = False) -> None:
     """The combine launch over `rows` rows per KV head (a batch's rows one after another): tiled
     where `config.combine_tiled` says so (by default where one 16-row block holds the rows), else a
     split at a time, the library's partials (`tree_attention._launch`'s) merged too (splits 0:
@@ -41,18 +40,11 @@ def launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int
     Programs (row block, KV head, head-dim chunk). rows_of: (prefix lengths, batch, rows a batch
     row, max_kv, slots, block columns, BLOCK_N, fold_items) of a balanced split (`plan_rows`), whose
     partials each row finds on the device (splits: the most work items a row has), rows of at most
-    fold_items items having been combined in the attention launch.
-    tail_rows (first, count), with a library: the rows from `first` (a multiple of 16) are the Gluon
-    prefix kernel's tail rows (`prefix_attention(tail_parts=True)`), merged from the `splits` items
-    of part_o [splits, Hkv, count, D] / part_ml alone; the rows before, from the library alone."""
+    fold_items items having been combined in the attention launch."""
     combine_d = min(config.combine_block_d, d)
     splits_p = triton.next_power_of_2(max(splits, 1))
     tiled = config.combine_tiled if config.combine_tiled is not None else rows <= 16
     tiled = tiled and library is None and rows_of is None
-    if tail_rows is not None and (library is None or rows_of is not None or tail_rows[0] % 16):
-        raise ValueError(f"launch_combine's tail_rows {tail_rows} need a library's partials and a first row "
-                         "that is a multiple of 16")
-    tail_from, part_rows = tail_rows if tail_rows is not None else (rows, rows)
     lib_o, lib_lse, _ = library if library is not None else (out, out, 0)
     lib_splits = lib_o.shape[0] if library is not None else 0
     if tiled:  # as few rows a program as let every split in at once, within combine_loads
@@ -71,8 +63,7 @@ def launch_combine(part_o, part_ml, out, rows: int, hkv: int, group: int, d: int
             part_o, part_ml, out, rows, splits, out.stride(0), out.stride(1), lib_o, lib_lse,
             *(lib_o.stride()[:3] if library is not None else (0, 0, 0)),
             *(lib_lse.stride()[:2] if library is not None else (0, 0)), prefix_len, batch, row_len, max_kv,
-            slots, block_cols, folded, tail_from, part_rows, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d,
-            SPLITS_P=splits_p, TAIL_PARTS=tail_rows is not None,
+            slots, block_cols, folded, GROUP=group, D=d, BLOCK_M=combine_m, BLOCK_D=combine_d, SPLITS_P=splits_p,
             UNROLL=unroll, LOOP_WHILE=_INTERPRETED, LIB_SPLITS=lib_splits,
             LIB_P=triton.next_power_of_2(max(lib_splits, 1)), BALANCED=rows_of is not None,
             BATCH_P=triton.next_power_of_2(batch), BLOCK_N=block_n, WAIT=dependent, num_warps=4,
@@ -150,9 +141,8 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_o_ptr, part_ml_ptr, out_ptr, rows, splits, so_n, so_h, lib_o_ptr, lib_lse_ptr, slo_s,
                         slo_h, slo_r, sll_s, sll_h, prefix_ptr, batch, row_len, max_kv, slots, block_cols, folded,
-                        tail_from, part_rows, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr, TAIL_PARTS: tl.constexpr, UNROLL: tl.constexpr,
-                        LOOP_WHILE: tl.constexpr,
+                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SPLITS_P: tl.constexpr, UNROLL: tl.constexpr, LOOP_WHILE: tl.constexpr,
                         LIB_SPLITS: tl.constexpr, LIB_P: tl.constexpr, BALANCED: tl.constexpr,
                         BATCH_P: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr):
         """Program (row block, KV head, head-dim chunk): `combine` as its own launch, when the
@@ -160,10 +150,8 @@ if triton is not None:
         library's LIB_SPLITS partials (strides slo_*, sll_*) are merged too. BALANCED: a balanced
         split's partials (`tree_attention._attention`'s), each row's found from the prefix lengths
         of the batch's rows (row_len rows each) as the attention found them, but for rows of at
-        most `folded` items, which the attention launch combined. TAIL_PARTS: rows from tail_from
-        merge the `splits` items of part_o / part_ml ([splits, Hkv, part_rows, ...]) alone, the
-        rows before the library's alone. WAIT: a programmatic dependent launch, which waits for
-        the launch before it to end before it reads anything."""
+        most `folded` items, which the attention launch combined. WAIT: a programmatic dependent
+        launch, which waits for the launch before it to end before it reads anything."""
         if WAIT:
             gdc_wait()
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,17 +169,6 @@ if triton is not None:
                      h, tl.num_programs(1), row_len, item0, n_items, tl.max(tl.where(live, n_items, 0), 0), so_n,
                      so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE, lib_o_ptr, lib_lse_ptr, slo_s, slo_h,
                      slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
-        elif TAIL_PARTS:
-            zero = tl.zeros_like(r)
-            if tl.program_id(0) * BLOCK_M >= tail_from:  # the tail's rows: their items alone
-                combine(part_o_ptr, part_ml_ptr, out_ptr, r - tail_from, live, r // GROUP, h * GROUP + r % GROUP,
-                         dims, h, tl.num_programs(1), part_rows, zero, zero + splits, splits, so_n, so_h, D, BLOCK_M,
-                         BLOCK_D, SPLITS_P, UNROLL, LOOP_WHILE, lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s,
-                         sll_h, 0, 1)
-            else:  # the library's splits alone
-                combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, r // GROUP, h * GROUP + r % GROUP, dims, h,
-                         tl.num_programs(1), rows, zero, zero, 0, so_n, so_h, D, BLOCK_M, BLOCK_D, SPLITS_P, UNROLL,
-                         LOOP_WHILE, lib_o_ptr, lib_lse_ptr, slo_s, slo_h, slo_r, sll_s, sll_h, LIB_SPLITS, LIB_P)
         else:
             zero = tl.zeros_like(r)
             combine(part_o_ptr, part_ml_ptr, out_ptr, r, live, r // GROUP, h * GROUP + r % GROUP, dims, h,

@@ -120,9 +120,6 @@ GLUON_PREFIX = os.environ.get("DDTREE_GLUON_PREFIX", "1") == "1"
 # 20.91 / 38.52 and 20.88 / 38.67 (benchmarks/README.md, "The tree's block in the prefix kernel").
 GLUON_BLOCK = os.environ.get("DDTREE_GLUON_BLOCK", "1") == "1"
 GLUON_BLOCK_MAX_COLS = 384
-# The prefix kernel's tail rows (`prefix_attention_sm90.tail_rows`) merged in the combine launch from
-# each row-block program's partial, instead of by the last program of each split at its end.
-GLUON_TAIL_IN_COMBINE = os.environ.get("DDTREE_GLUON_TAIL_IN_COMBINE", "0") == "1"
 GLUON_MIN_KEYS = 4096
 GLUON_MIN_ROWS = {64: 129, 128: 64, 256: 65}  # by head_dim
 # A batch's rows in one launch (`attend_batch`) keep 129 at head_dim 128: 64-row batches through
@@ -241,35 +238,25 @@ def _through_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     t = gluon_tiling(d, rows, k.shape[1], sms)
     gluon_splits = splits_for(t, rows, k.shape[1], sms, max_keys, d)
     if GLUON_BLOCK and not causal_block and mask.shape[1] <= GLUON_BLOCK_MAX_COLS:  # one launch, one combine
-        if GLUON_TAIL_IN_COMBINE:
-            o, lse, tail = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask,
-                                            tail_parts=True)
-        else:
-            (o, lse), tail = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask), None
-        return _merge_library(q, o, lse, mask.shape[1], config, dependent=t.get("PDL", PDL), tail=tail), None
+        o, lse = prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t, block=mask)
+        return _merge_library(q, o, lse, mask.shape[1], config, dependent=t.get("PDL", PDL)), None
     return None, (*prefix_attention(q, k, v, prefix_len, max_keys, gluon_splits, scale, t), None)
 
 
 def _merge_library(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, block_cols: int,
-                   config: AttentionConfig | None, dependent: bool = False, tail: tuple | None = None) -> torch.Tensor:
+                   config: AttentionConfig | None, dependent: bool = False) -> torch.Tensor:
     """The combine launch over partials (o, lse) in `cudnn_prefix`'s layout that cover every key a
     row sees (the Gluon kernel's splits with the tree's block) -> out [N, Hq * D] in q's dtype.
     dependent: launched as a programmatic dependent launch, right after the launch that made the
     partials (which lets it start early: `prefix_attention_sm90.PDL`), its programs waiting for
-    that launch's end before they read them. tail: `prefix_attention(tail_parts=True)`'s, whose
-    rows the combine merges from their own partials."""
+    that launch's end before they read them."""
     n, hq, d = q.shape
     hkv = o.shape[1]
     rows = o.shape[2]
     config = config or tiling(rows, block_cols, d, element_bytes=q.element_size())
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
-    if tail is not None:
-        part_o, part_ml, items, full_rows, tail_count = tail
-        launch_combine(part_o, part_ml, out, rows, hkv, hq // hkv, d, items, config, (o, lse, None),
-                       dependent=dependent, tail_rows=(full_rows, tail_count))
-    else:
-        launch_combine(lse, lse, out, rows, hkv, hq // hkv, d, 0, config, (o, lse, None),  # no split of its own
-                       dependent=dependent)
+    launch_combine(lse, lse, out, rows, hkv, hq // hkv, d, 0, config, (o, lse, None),  # no split of its own
+                    dependent=dependent)
     return out.view(n, hq * d)
 
 

@@ -303,9 +303,8 @@ def _release(k_ready, k_empty, v_ready, v_empty, lo, hi, STAGES: gl.constexpr):
 def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, part_o_ptr,
           part_ml_ptr, count_ptr, row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block,
           block_cols, mask_ptr, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, TAIL: gl.constexpr, TAIL_MERGE: gl.constexpr):
+          STAGES: gl.constexpr, TAIL: gl.constexpr):
     """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL).
-    TAIL_MERGE False: each program's partial goes to the combine launch instead (below).
 
     The split's tiles are shared out: each of the KV head's row-block programs takes a run of them
     for the tail ([lo, hi)) and releases the others' slots unread; each writes its unnormalised
@@ -334,48 +333,38 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
         l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
     _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
 
+    # This program's partial, then the arrival count; the last to arrive merges them all.
+    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
     entries = gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
-    if not TAIL_MERGE:
-        # The partial as one item of the combine's (`attention_combine.launch_combine`, tail_rows):
-        # item split * programs + pid_m, part_o [items, Hkv, TAIL, D], part_ml [items, Hkv, TAIL, 2]
-        # (unbatched launches only); no count, no merge at this program's end.
-        item = gl.program_id(2) * parts + pid_m
-        at = (item * gl.num_programs(1) + head) * TAIL + entries
-        gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
-        gl.store(part_ml_ptr + at * 2, m_i)
-        gl.store(part_ml_ptr + at * 2 + 1, l_i)
-    else:
-        # This program's partial, then the arrival count; the last to arrive merges them all.
-        group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
-        at = (group * parts + pid_m) * TAIL + entries
-        gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
-        gl.store(part_ml_ptr + at * 2, m_i)
-        gl.store(part_ml_ptr + at * 2 + 1, l_i)
-        # Every thread's stores are issued before one thread releases them with the arrival count (a
-        # barrier of this warp group, then a GPU-scope acquire-release atomic: a semaphore).
-        gl.thread_barrier()
-        arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")
-        if arrived == parts - 1:
-            gl.store(count_ptr + group, 0)  # zero again for the next launch
-            first = group * parts * TAIL + entries
-            m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
-            for p in range(parts):
-                m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2, cache_modifier=".cg"))
-            m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-            o = gl.zeros([D, TAIL], gl.float32, ST)
-            total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
-            for p in range(parts):
-                at_p = first + p * TAIL
-                w = gl.exp2(gl.load(part_ml_ptr + at_p * 2, cache_modifier=".cg") - m_safe)  # 0: empty
-                total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1, cache_modifier=".cg")
-                o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None], cache_modifier=".cg")
-            rws = row0 + entries
-            out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
-            gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
-                     mask=(rws[None, :] < rows) & (dims[:, None] < D))
-            lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
-            gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
+    at = (group * parts + pid_m) * TAIL + entries
+    gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
+    gl.store(part_ml_ptr + at * 2, m_i)
+    gl.store(part_ml_ptr + at * 2 + 1, l_i)
+    # Every thread's stores are issued before one thread releases them with the arrival count (a
+    # barrier of this warp group, then a GPU-scope acquire-release atomic: a semaphore).
+    gl.thread_barrier()
+    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        gl.store(count_ptr + group, 0)  # zero again for the next launch
+        first = group * parts * TAIL + entries
+        m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2, cache_modifier=".cg"))
+        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+        o = gl.zeros([D, TAIL], gl.float32, ST)
+        total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            at_p = first + p * TAIL
+            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2, cache_modifier=".cg") - m_safe)  # 0: empty
+            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1, cache_modifier=".cg")
+            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None], cache_modifier=".cg")
+        rws = row0 + entries
+        out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
+        gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
+                 mask=(rws[None, :] < rows) & (dims[:, None] < D))
+        lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
+        gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
 
 
 @gluon.jit
@@ -465,7 +454,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
                    qk_scale, full_rows, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
                    SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, TAIL_REGS: gl.constexpr, BATCHED: gl.constexpr,
-                   TAIL_MERGE: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     rows = n_tokens * GROUP
@@ -529,7 +518,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
             (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                      part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
                      end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
-                     TAIL, TAIL_MERGE)),
+                     TAIL)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
                        slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
@@ -650,7 +639,7 @@ def _tail_counters(device: torch.device, count: int) -> torch.Tensor:
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, max_keys: int,
                      splits: int, scale: float, config: dict | None = None, block: torch.Tensor | None = None,
-                     first_slot: torch.Tensor | None = None, tail_parts: bool = False) -> tuple:
+                     first_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, D] over keys [0, prefix_len) of k, v [T, Hkv, D] (prefix_len: an int32
     or int64 device scalar, read in place, at most `max_keys`, the static bound the splits are
     planned over) -> (o, lse) as in the module docstring. bf16 / fp16 on sm_90; q's last dim and
@@ -666,14 +655,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     r * N.., seeing keys first_slot[r] + j for j < prefix_len[r] ([R]) and, with block [R, N, M],
     first_slot[r] + prefix_len[r] + j where block[r, i, j]; max_keys bounds every row's prefix. ->
     o [splits, Hkv, R * N * group, D], lse [splits, Hkv, R * N * group] (row r's rows after row r -
-    1's, for the combine launch).
-
-    tail_parts (unbatched launches): -> (o, lse, tail) where tail is None without a tail warp
-    group, else (part_o, part_ml, items, full_rows, TAIL): the tail rows [full_rows, rows) left
-    unmerged, each row-block program's partial one of `items` items (unnormalised o^T sums and
-    (base-2 max, denominator), the combine launch's part layout [items, Hkv, TAIL, ...]), and
-    o / lse there unwritten; `attention_combine.launch_combine(..., tail_rows=)` merges them with
-    the splits' outputs. The last program of each split then no longer merges them at its end."""
+    1's, for the combine launch)."""
     rows_total, hq, d = q.shape
     t_keys, hkv, _ = k.shape
     group = hq // hkv
@@ -712,13 +694,10 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     tail, full_rows = tail_rows(t, rows, d)
     maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
     grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits * batch)
-    if tail_parts and first_slot is not None:
-        raise ValueError("prefix_attention's tail_parts takes unbatched launches only")
-    tail_merge = not tail_parts
-    if tail:  # each row-block program's partial for the tail rows, merged by the last to finish (or the combine)
+    if tail:  # each row-block program's partial for the tail rows, merged by the last to finish
         part_o = torch.empty(grid[2] * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(grid[2] * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
-        counts = _tail_counters(q.device, grid[2] * hkv) if tail_merge else lse
+        counts = _tail_counters(q.device, grid[2] * hkv)
     else:  # never read
         part_o, part_ml, counts = lse, lse, lse
     _prefix_kernel[grid](q, k_desc, v_desc, o, lse, prefix_len, prefix_len if first_slot is None else first_slot, mask,
@@ -726,11 +705,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                          mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs,
-                         BATCHED=first_slot is not None, TAIL_MERGE=tail_merge, num_warps=4, maxnreg=maxnreg,
-                         launch_pdl=t.get("PDL", PDL))
-    if not tail_parts:
-        return o, lse
-    return o, lse, ((part_o, part_ml, grid[2] * grid[0], full_rows, tail) if tail else None)
+                         BATCHED=first_slot is not None, num_warps=4, maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
+    return o, lse
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, max_keys: int, splits: int,
