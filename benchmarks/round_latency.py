@@ -8,7 +8,11 @@ For each budget: median ms per round (host wall time between the engine's yields
 and the median of each stage replayed alone as its own CUDA graph: draft, build, verify,
 walk+commit. The floor is computed from the measured copy bandwidth and bf16 matmul rate of this
 GPU: max(bytes / bandwidth, FLOPs / peak) of the target forward over the tree plus the drafter's
-forward.
+forward. Beside it, `floor_by_kind_ms` takes that maximum for the matmuls (weights, their FLOPs)
+and for the attention (KV and recurrent state, attention FLOPs) apart and adds them: the bound
+for a forward whose attention and matmuls are separate kernels, where the attention's products
+cannot run while the weights stream (at 65 tokens over 32k keys the attention is compute bound
+and the matmuls bandwidth bound, so the two floors differ; elsewhere they mostly agree).
 
 For each prompt length, also the time to first token: the engine's first step (the prefill,
 ended by the host reading the first token), timed on a second generate call after an untimed
@@ -109,6 +113,15 @@ def forward_floor(params: int, tokens: int, kv_bytes_read: float, ceilings: dict
     by_bytes = (params * bytes_per_param + kv_bytes_read) / ceilings["bandwidth_Bps"]
     by_flops = (2 * params * tokens + extra_flops) / ceilings["bf16_flops"]
     return max(by_bytes, by_flops)
+
+
+def forward_floor_by_kind(params: int, tokens: int, kv_bytes_read: float, ceilings: dict, bytes_per_param=2,
+                          extra_flops: float = 0.0) -> float:
+    """`forward_floor` with the matmuls (params: their bytes and 2 x params x tokens FLOPs) and the
+    rest (kv_bytes_read, extra_flops: the attention's) each at its own bound, added."""
+    bandwidth, peak = ceilings["bandwidth_Bps"], ceilings["bf16_flops"]
+    return (max(params * bytes_per_param / bandwidth, 2 * params * tokens / peak)
+            + max(kv_bytes_read / bandwidth, extra_flops / peak))
 
 
 def prefill_chunk_tokens(engine: Engine, prompt_len: int) -> int:
@@ -277,12 +290,18 @@ def main() -> None:
         draft_kv, draft_attn = drafter_attention(context + 16)
         draft_floor = forward_floor(dparams, 16, draft_kv, ceilings, extra_flops=draft_attn) if budget.drafts else 0.0
         floor_ms = (target_floor + draft_floor) * 1000
+        by_kind_ms = 1000 * (forward_floor_by_kind(tparams, size, kv_token_bytes * context + state_bytes, ceilings,
+                                                   extra_flops=attn_flops)
+                             + (forward_floor_by_kind(dparams, 16, draft_kv, ceilings, extra_flops=draft_attn)
+                                if budget.drafts else 0.0))
         median = statistics.median(times[WARMUP_ROUNDS:])
         rows.append({"prompt_len": prompt_len, "tree_budget": label, "tree_nodes": size, "round_ms_median": median,
                      "round_ms_all": times, "floor_ms": floor_ms, "ratio_to_floor": median / floor_ms,
+                     "floor_by_kind_ms": by_kind_ms, "ratio_to_floor_by_kind": median / by_kind_ms,
                      "target_floor_ms": target_floor * 1000, "draft_floor_ms": draft_floor * 1000, **stages})
         write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills)
         print(f"{prompt_len:>6} {label:>6}  round {median:7.2f} ms  floor {floor_ms:6.2f} ms  x{median / floor_ms:4.2f}  "
+              f"(by kind {by_kind_ms:6.2f} ms  x{median / by_kind_ms:4.2f})  "
               + "  ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
     out = write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills)
     print(f"wrote {out}; bandwidth {ceilings['bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
