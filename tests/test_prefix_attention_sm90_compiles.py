@@ -4,6 +4,7 @@ split plan."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gluon_prefix_kernel_compiles_for_sm90():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "scripts/compile_prefix_attention_sm90.py"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "scripts/compile_prefix_attention_sm90.py", "--sass-hash"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     sys.path.insert(0, str(ROOT / "scripts"))
     from compile_prefix_attention_sm90 import TILINGS
@@ -26,6 +27,9 @@ def test_gluon_prefix_kernel_compiles_for_sm90():
     assert len(lines) == len(TILINGS), done.stdout
     assert all("local 0" in line for line in lines), done.stdout  # no spills to local memory
     assert not any("OVER" in line for line in lines), done.stdout  # each fits its programs an SM
+    hashes = [re.search(r"sass ([0-9a-f]{16}) \((\d+) instructions\)", line) for line in lines]
+    assert all(h and int(h.group(2)) > 1000 for h in hashes), done.stdout  # the machine code, disassembled
+    assert len({h.group(1) for h in hashes}) == len(lines), done.stdout  # each tiling its own code
 
 
 def test_plan_splits_fills_whole_waves_with_few_splits():
