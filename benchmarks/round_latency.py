@@ -119,9 +119,8 @@ def forward_floor_by_kind(params: int, tokens: int, kv_bytes_read: float, ceilin
                           extra_flops: float = 0.0) -> float:
     """`forward_floor` with the matmuls (params: their bytes and 2 x params x tokens FLOPs) and the
     rest (kv_bytes_read, extra_flops: the attention's) each at its own bound, added."""
-    bandwidth, peak = ceilings["bandwidth_Bps"], ceilings["bf16_flops"]
-    return (max(params * bytes_per_param / bandwidth, 2 * params * tokens / peak)
-            + max(kv_bytes_read / bandwidth, extra_flops / peak))
+    return (forward_floor(params, tokens, 0.0, ceilings, bytes_per_param)
+            + forward_floor(0, tokens, kv_bytes_read, ceilings, extra_flops=extra_flops))
 
 
 def prefill_chunk_tokens(engine: Engine, prompt_len: int) -> int:

@@ -116,18 +116,26 @@ if os.environ.get(RECORD_ENV):
 
 # -- 2. compiling ------------------------------------------------------------------------------------------
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """{"registers": R, "local": L} (a thread's registers and local-memory bytes) of a compiled
-    kernel, read from its cubin with Triton's cuobjdump ({} where that tool is missing)."""
+def cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """Triton's cuobjdump `flag` (e.g. -res-usage, -sass) over a compiled kernel's cubin -> its
+    output (None where that tool is missing)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return {}
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        report = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """{"registers": R, "local": L} (a thread's registers and local-memory bytes) of a compiled
+    kernel, read from its cubin with Triton's cuobjdump ({} where that tool is missing)."""
+    report = cuobjdump(cubin, "-res-usage")
+    if report is None:
+        return {}
     fields = dict(item.split(":", 1) for line in report.splitlines() if "REG:" in line for item in line.split())
     return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"])} if "REG" in fields else {}
 

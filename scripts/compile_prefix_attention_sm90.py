@@ -49,22 +49,13 @@ def sass_hash(cubin: bytes) -> str:
     """A hash of the cubin's instructions as `cuobjdump -sass` prints them, addresses and
     encodings dropped, and their count."""
     import hashlib
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    import triton
+    from check_kernels_compile import cuobjdump
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    lines = [re.sub(r"/\*[0-9a-f]{4,6}\*/", "", line).split(";")[0].strip() for line in text.splitlines()
-             if re.search(r"/\*[0-9a-f]{4,6}\*/", line)]
+    text = cuobjdump(cubin, "-sass") or ""
+    address = re.compile(r"/\*[0-9a-f]{4,6}\*/")
+    lines = [address.sub("", line).split(";")[0].strip() for line in text.splitlines() if address.search(line)]
     return f"{hashlib.sha256(chr(10).join(lines).encode()).hexdigest()[:16]} ({len(lines)} instructions)"
 
 
