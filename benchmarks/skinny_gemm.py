@@ -1,7 +1,7 @@
 """The few-row projection kernel (`ddtree.kernels.skinny_gemm`) against cuBLAS (`F.linear`) at the
 target shapes' projections, by row count, over a sweep of its tilings.
 
-    python -m benchmarks.skinny_gemm OUTPUT.json [--tokens 1,17,65] [--shapes qwen3.6-27b,qwen3-8b]
+    python -m benchmarks.skinny_gemm OUTPUT.json [--tokens 1,17,65] [--shapes qwen3.6-27b,qwen3-8b] [--names gate_up,down]
 
 Each (shape, rows, tiling) is timed as `benchmarks.gemm_tokens` times cuBLAS: 64 calls over 8
 weight copies (no L2 reuse) in one CUDA graph, the median of 5 replays; the weight's bytes over
@@ -37,7 +37,9 @@ TILINGS = [DEFAULT, replace(DEFAULT, block_n=128), replace(DEFAULT, block_n=128,
                                                                 num_stages=3),
            # Wide column tiles read x (from L2) fewer times, as cuBLAS's 384-column tiles do at 65 rows.
            replace(DEFAULT, block_n=256, programs_per_sm=1, num_warps=8, num_stages=3),
-           replace(DEFAULT, block_n=128, programs_per_sm=1, num_warps=8, num_stages=3)]
+           replace(DEFAULT, block_n=128, programs_per_sm=1, num_warps=8, num_stages=3),
+           # At 65 rows x's tile is 128 rows: shorter steps, deeper pipeline, within the shared memory.
+           replace(DEFAULT, block_k=64, num_stages=6)]
 
 
 def main() -> None:
@@ -46,11 +48,14 @@ def main() -> None:
     p.add_argument("--tokens", default="1,17,65")
     p.add_argument("--shapes", default="qwen3.6-27b,qwen3-8b")
     p.add_argument("--copies", type=int, default=8)
+    p.add_argument("--names", default="", help="only these projections (comma-separated, e.g. gate_up,down)")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     for model in args.shapes.split(","):
         for name, (k, n) in SHAPES[model].items():
+            if args.names and name not in args.names.split(","):
+                continue
             copies = max(2, min(args.copies, int(4e9 // (k * n * 2))))  # the lm_heads: fewer copies
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             for m in tokens:
@@ -85,7 +90,7 @@ def main() -> None:
 
 def write(args, rows: list[dict]) -> None:
     out = {"benchmark": "skinny_gemm", "command": "python -m benchmarks.skinny_gemm " + " ".join(
-        [args.output, "--tokens", args.tokens, "--shapes", args.shapes]),
+        [args.output, "--tokens", args.tokens, "--shapes", args.shapes] + (["--names", args.names] if args.names else [])),
         "machine": machine_info(torch.device("cuda")), "git_revision": git_revision(), "rows": rows}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)

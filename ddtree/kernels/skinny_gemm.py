@@ -16,10 +16,11 @@ no atomics) and rounds once.
 
 Measured on the H200: at 1 and 17 rows cuBLAS read the MLP's weights at the copy rate and this
 kernel's best tiling was 0.97x cuBLAS; whole 27B budget-64 rounds with a hybrid's projections on
-its default tiling took 26.4 ms against cuBLAS's 20.7 (benchmarks/README.md). So nothing calls it;
-`benchmarks/skinny_gemm.py` compares it with cuBLAS shape by shape, and it stays beside that
-benchmark until a tiling beats cuBLAS at 65 rows. Tested in Triton's interpreter against a
-float32 product.
+its default tiling took 26.4 ms against cuBLAS's 20.7; on an H100 at Qwen3-8B's four projections
+its best tilings were 0.66-0.96x cuBLAS at 65 rows and 0.85-1.02x at 17 (benchmarks/README.md).
+So nothing calls it; `benchmarks/skinny_gemm.py` compares it with cuBLAS shape by shape, and it
+stays beside that benchmark until a tiling beats cuBLAS at 65 rows. Tested in Triton's
+interpreter against a float32 product.
 """
 from __future__ import annotations
 
