@@ -70,6 +70,7 @@ from ddtree.engine import PREFILL_CHUNK, PREFILL_PAD_MAX, Step, prefill_chunks, 
 from ddtree.kv_regions import SlotRegions
 from ddtree.logprobs import as_token_logprobs, chosen_logprobs
 from ddtree.models.layers import AttentionMeta, RowSpan
+from ddtree.models.target import TargetModel
 from ddtree.recurrent_state import HybridCache
 from ddtree.sampling import choose_tokens
 from ddtree.tree import Tree, build_chain, build_tree, single_node, walk
@@ -219,6 +220,8 @@ class BatchEngine:
         self.first_slot = torch.full((max_rows,), self.spare_slot, dtype=torch.long, device=self.device)
         self.row_first_slots = [self.spare_slot] * max_rows
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if isinstance(target, TargetModel):
+            target.fold_norms_if_asked()
         if self.use_graphs if compile_layers is None else compile_layers:
             target.use_compiled()
             if drafter is not None:

@@ -194,6 +194,8 @@ class Engine:
         compiled = compile_layers if compile_layers is not None else self.use_graphs
         if drafter is not None:
             drafter.fuse_projections()  # one matmul for q/k/v, one for every layer's context k/v
+        if isinstance(target, TargetModel):
+            target.fold_norms_if_asked()
         if compiled:
             target.use_compiled()
             if drafter is not None:

@@ -65,6 +65,31 @@ def test_equals_the_eager_functions(n, hq, hkv, d, rotary, norm, centred, gated,
     assert torch.equal(cache[:, untouched], before[:, untouched])
 
 
+
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_qk_norm"])
+def test_row_scale_is_the_input_norm_before_everything(norm):
+    """scale_rows h: q, k and v first multiplied by each token's 1 / sqrt(mean(h^2) + eps), the scale
+    of an input norm whose weight is folded into the projection."""
+    n, hq, hkv, d = 6, 4, 2, 32
+    q, k, v, norms, cos, sin = _inputs(n, hq, hkv, d, d, False, torch.float32, seed=5)
+    h = (4 * torch.randn(n, 80, generator=torch.Generator().manual_seed(9))).to(DEVICE)
+    eps = 1e-6
+    r = torch.rsqrt(h.pow(2).mean(-1) + eps)[:, None, None]
+    cache = torch.zeros(2, n, hkv, d, device=DEVICE)
+    slots = torch.arange(n, device=DEVICE)
+    q_norm, k_norm = (norms[0], norms[1]) if norm else (None, None)
+    out = qk_rope_write(q, k, v, q_norm, k_norm, cos, sin, eps, slots, cache[0], cache[1], scale_rows=h)
+
+    def reference(x, w):
+        x = x * r
+        return rotate(rms_norm(x, w, eps) if w is not None else x, cos, sin)
+
+    torch.testing.assert_close(out, reference(q, q_norm), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache[0], reference(k, k_norm), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache[1], v * r, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="scale_rows"):
+        qk_rope_write(q, k, v, q_norm, k_norm, cos, sin, eps, slots, cache[0], cache[1], scale_rows=h[:3])
+
 def test_refuses_an_odd_or_too_wide_rotation():
     q, k, v, norms, cos, sin = _inputs(2, 4, 2, 16, 16, False, torch.float32, seed=1)
     cache = torch.zeros(2, 4, 2, 16, device=DEVICE)

@@ -34,3 +34,17 @@ def test_swiglu_of_a_row_slice_and_no_rows():
     view = big[1:3, :64]
     torch.testing.assert_close(swiglu_kernel.swiglu(view), reference(view), rtol=1e-6, atol=1e-6)
     assert swiglu_kernel.swiglu(torch.empty(0, 64, device=DEVICE)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("rows,width,hidden", [(1, 48, 40), (4, 1100, 2600)])  # 2600: past two column blocks
+def test_row_scale_is_the_rms_norm_of_the_mlp_input(rows, width, hidden):
+    """With scale_rows h: silu(r g) * (r u), r = 1 / sqrt(mean(h^2) + eps) of each row of h."""
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=gen)).to(DEVICE)
+    h = (5 * torch.randn(rows, hidden, generator=gen)).to(DEVICE)
+    eps = 1e-6
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    got = swiglu_kernel.swiglu(gate_up, scale_rows=h, eps=eps)
+    torch.testing.assert_close(got, reference(gate_up * r), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scale_rows"):
+        swiglu_kernel.swiglu(gate_up, scale_rows=h[:, ::2])

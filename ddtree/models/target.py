@@ -6,14 +6,22 @@ and to the hidden features the drafter reads.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels import qk_rope_write
+from ddtree.kernels import qk_rope_write, swiglu
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops, split_heads
 from ddtree.models.layers import AttentionMeta, RMSNorm, RotaryTable, SwiGLU, attend, logits_float32
+
+# The norms folded into the projections on GPUs (`TargetModel.fold_norms`; 0.10-0.22 ms a round
+# from `ar` to 64 on an H100 at 32k, benchmarks/README.md "The norms folded into the projections");
+# DDTREE_FOLDED_NORMS=0 keeps the unfolded layers.
+FOLDED_NORMS = os.environ.get("DDTREE_FOLDED_NORMS", "1") != "0"
 
 
 class TargetAttention(nn.Module):
@@ -61,6 +69,23 @@ class TargetLayer(nn.Module):
         return x, *ops.finish_layer(x, attn, a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight,
                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, eps)
 
+    def forward_folded(self, h, cos, sin, meta: AttentionMeta, cache: KVCache, ops: LayerOps) -> torch.Tensor:
+        """h [N, H]: this layer's input, with its norms' weights folded into the q/k/v and gate/up
+        weights (`TargetModel.fold_norms`) -> the layer's output, written over h. Each norm's row scale
+        is applied by the kernel that reads its projection (`qk_rope_write`, `swiglu`) and each
+        residual added by its projection (cuBLAS's beta = 1), so neither takes a launch of its own."""
+        a, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps  # the q/k norms' too (`TargetConfig.rms_norm_eps`)
+        q_norm = a.q_norm.weight if a.q_norm is not None else None
+        k_norm = a.k_norm.weight if a.k_norm is not None else None
+        q, k, v = split_heads(F.linear(h, a.qkv_proj.weight), a.n_heads, a.n_kv, a.head_dim)
+        q = qk_rope_write.qk_rope_write(q, k, v, q_norm, k_norm, cos, sin, eps, meta.write_slots,
+                                        cache.k[a.layer_idx], cache.v[a.layer_idx], scale_rows=h)
+        keys, values = cache.layer(a.layer_idx, meta.kv_len)
+        h.addmm_(attend(q, keys, values, meta, a.scale, ops.mask_bias), a.o_proj.weight.t())
+        gated = swiglu.swiglu(F.linear(h, mlp.gate_up_proj.weight), scale_rows=h, eps=self.post_attention_layernorm.eps)
+        return h.addmm_(gated, mlp.down_proj.weight.t())
+
 
 class TargetModel(nn.Module):
     """tokens [N] at positions [N] -> logits [N, V] (or the rows asked for) and features [N, len(taps) * H]."""
@@ -76,10 +101,36 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
         self.ops: LayerOps = EAGER
+        self.folded = False
 
     def use_compiled(self) -> None:
         """Run the per-layer elementwise work through torch.compile (CUDA)."""
         self.ops = compiled_ops()
+
+    def fold_norms_if_asked(self) -> None:
+        """`fold_norms` where the model allows it, unless DDTREE_FOLDED_NORMS=0 (the engines call
+        this, graphs or not, so that both run the same forward)."""
+        if FOLDED_NORMS and self.can_fold_norms():
+            self.fold_norms()
+
+    def can_fold_norms(self) -> bool:
+        """No biases (a bias is not scaled by the norm) and both kernels on this device."""
+        cfg, param = self.config, self.lm_head.weight
+        return (not cfg.attention_bias and not cfg.mlp_bias and param.is_cuda and qk_rope_write.triton is not None
+                and swiglu.triton is not None and cfg.head_dim == qk_rope_write.triton.next_power_of_2(cfg.head_dim))
+
+    def fold_norms(self) -> None:
+        """Each layer's input norm weight folded into its q/k/v weight and its post-attention norm
+        weight into its gate/up weight (W <- W diag(w), rounded once to W's dtype); the layers then
+        run `TargetLayer.forward_folded`. Changes the weights in place, once."""
+        if self.folded:
+            return
+        with torch.no_grad():
+            for layer in self.layers:
+                for w, norm in ((layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight),
+                                (layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)):
+                    w.copy_((w.float() * norm.float()[None, :]).to(w.dtype))
+        self.folded = True
 
     def new_cache(self, slots: int, device, dtype) -> KVCache:
         cfg = self.config
@@ -112,6 +163,11 @@ class TargetModel(nn.Module):
         taps = []
         wanted = set(feature_layers or ())
         for i, layer in enumerate(self.layers):
+            if self.folded:  # h is each layer's input and, written over, its output
+                if i - 1 in wanted:
+                    taps.append(h.clone())
+                h = layer.forward_folded(h, cos, sin, meta, cache, self.ops)
+                continue
             layer_input, h, delta = layer(h, delta, cos, sin, meta, cache, self.ops)
             if i - 1 in wanted:  # layer i's input is layer i - 1's output
                 taps.append(layer_input)
