@@ -35,6 +35,7 @@ from ddtree.bench.machine import git_revision, results_path
 from ddtree.bench.timing import median_replay_ms
 from ddtree.config import SamplingParams, parse_tree_budget
 from ddtree.engine import PREFILL_CHUNK, Engine
+from ddtree.kernels import blaslt
 from ddtree.models.drafter import DFlashDrafter
 from ddtree.models.hybrid import HybridTarget
 from ddtree.models.known_shapes import named_pair
@@ -199,6 +200,8 @@ def write_result(args, rows, ceilings, engine, drafter, prompt_lens, prefills):
         "prefill": prefills,
         "rows": rows,
     }
+    if blaslt.ENABLED:
+        result["blas_choices"] = blaslt.chosen()
     out = results_path(args.output, "round_latency")
     out.write_text(json.dumps(result, indent=2))
     return out

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels import gdn_prefill, qk_rope_write
+from ddtree.kernels import blaslt, gdn_prefill, qk_rope_write
 from ddtree.kv_cache import KVCache
 from ddtree.models import gated_deltanet as gdn
 from ddtree.models.configs import TargetConfig
@@ -232,7 +232,7 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMeta, cache: KVCache, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]."""
         n = x.shape[0]
-        qg, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
+        qg, k, v = blaslt.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.split, dim=-1)
         if qk_rope_write.supported(x, cache.k[self.kv_index]):  # norms, rotations and cache write in one launch
             q, gate = query_and_gate(qg, self.n_heads, self.head_dim)
             q = qk_rope_write.qk_rope_write(q, k.view(n, self.n_kv, self.head_dim), v.view(n, self.n_kv, self.head_dim),
@@ -245,7 +245,7 @@ class GatedAttention(nn.Module):
             keys, values = cache.write(self.kv_index, meta.write_slots, k, v.view(n, self.n_kv, self.head_dim),
                                        meta.kv_len)
         out = ops.gated_output(attend(q, keys, values, meta, self.scale), gate)
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return blaslt.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def conv_ancestors(parents: torch.Tensor, depths: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -314,13 +314,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
         """x [N, H] (normed) -> [N, H]. A packed batch (`meta.rows`, their tokens one row after
         another) runs each row from its own state (`RowSpan.recurrent`) with its own meta."""
-        mixed, z, b, a = F.linear(x, self.in_proj.weight).split(self.split, dim=-1)
+        mixed, z, b, a = blaslt.linear(x, self.in_proj.weight).split(self.split, dim=-1)
         if meta.rows is None:
             o = self._sequence(mixed, a, b, meta, cache, ops)
         else:
             o = torch.cat([self._sequence(mixed[row.tokens], a[row.tokens], b[row.tokens], row.meta, row.recurrent, ops)
                            for row in meta.rows])
-        return F.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
+        return blaslt.linear(ops.gdn_output(o, z, self.norm, self.eps, self.hv, self.dv), self.out_proj.weight)
 
     def _sequence(self, mixed, a, b, meta: AttentionMeta, cache: RecurrentState, ops: HybridOps) -> torch.Tensor:
         """One sequence's tokens (a tree, or a run of tokens) from its state -> o [T, Hv, Dv] float32."""
@@ -387,8 +387,8 @@ class HybridLayer(nn.Module):
             mixed = self.self_attn(x, cos, sin, meta, cache.kv, ops)
         h, x = ops.add_and_norm(h, mixed, self.post_attention_layernorm, self.eps)
         mlp = self.mlp
-        return h, F.linear(ops.swiglu(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)),
-                           mlp.down_proj.weight, mlp.down_proj.bias)
+        return h, blaslt.linear(ops.swiglu(blaslt.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)),
+                                mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 class HybridTarget(nn.Module):

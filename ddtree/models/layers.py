@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels import tree_attention
+from ddtree.kernels import blaslt, tree_attention
 from ddtree.models.configs import RopeConfig
 from ddtree.models.fused import mask_bias, rms_norm, rotate
 
@@ -331,5 +331,5 @@ def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rounding logits to 8 mantissa bits (exact ties there are common, and any rounding difference
     between verify batch shapes would flip them)."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _float32_out_mm_works(hidden.device):
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return blaslt.linear(hidden, weight, out_dtype=torch.float32)
     return F.linear(hidden, weight).float()

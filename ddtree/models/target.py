@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels import qk_rope_write, swiglu
+from ddtree.kernels import blaslt, qk_rope_write, swiglu
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import TargetConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops, split_heads
@@ -78,13 +77,14 @@ class TargetLayer(nn.Module):
         eps = self.input_layernorm.eps  # the q/k norms' too (`TargetConfig.rms_norm_eps`)
         q_norm = a.q_norm.weight if a.q_norm is not None else None
         k_norm = a.k_norm.weight if a.k_norm is not None else None
-        q, k, v = split_heads(F.linear(h, a.qkv_proj.weight), a.n_heads, a.n_kv, a.head_dim)
+        q, k, v = split_heads(blaslt.linear(h, a.qkv_proj.weight), a.n_heads, a.n_kv, a.head_dim)
         q = qk_rope_write.qk_rope_write(q, k, v, q_norm, k_norm, cos, sin, eps, meta.write_slots,
                                         cache.k[a.layer_idx], cache.v[a.layer_idx], scale_rows=h)
         keys, values = cache.layer(a.layer_idx, meta.kv_len)
-        h.addmm_(attend(q, keys, values, meta, a.scale, ops.mask_bias), a.o_proj.weight.t())
-        gated = swiglu.swiglu(F.linear(h, mlp.gate_up_proj.weight), scale_rows=h, eps=self.post_attention_layernorm.eps)
-        return h.addmm_(gated, mlp.down_proj.weight.t())
+        blaslt.linear(attend(q, keys, values, meta, a.scale, ops.mask_bias), a.o_proj.weight, out=h, accumulate=True)
+        gated = swiglu.swiglu(blaslt.linear(h, mlp.gate_up_proj.weight), scale_rows=h,
+                              eps=self.post_attention_layernorm.eps)
+        return blaslt.linear(gated, mlp.down_proj.weight, out=h, accumulate=True)
 
 
 class TargetModel(nn.Module):

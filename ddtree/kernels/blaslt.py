@@ -1,0 +1,267 @@
+"""Projections through cuBLASLt with the kernel timed fastest on this GPU: y [M, N] = x [M, K] @
+W [N, K]^T, or y += x @ W^T in place, for a verify's few rows.
+
+Why: PyTorch's `F.linear` / `addmm_` take cuBLAS's first heuristic choice for every shape, and at a
+verify's few rows the projections run 4-9 us above their weights' copy time (benchmarks/README.md,
+"What is left at 64 over 32k"). cuBLASLt's heuristic offers a ranked list of kernels for a shape
+(tiles, split-K); on an H100 at Qwen3-8B's shapes one of its others beat its first by up to 4 us
+(`benchmarks/blaslt_algos.py`). `linear` times them the first time it meets a shape (outside a
+CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; with
+DDTREE_BLAS_CHOICE=0, or where nothing beat it, PyTorch's call runs.
+
+The call is the one PyTorch makes for `F.linear`: column-major D [N, M] = op(A) @ B with A = W
+(K x N, ld K, transposed), B = x (K x M, ld K), bf16 / fp16 in, the output in that dtype or
+float32, float32 accumulation and scale; `accumulate` sets beta = 1 with C = D = y. Host scalars,
+so a CUDA graph captures a call (cuBLASLt reads alpha / beta when the call is made). One handle and
+one workspace per device: the engines run their GPU work on one stream at a time (a graph's warm-up
+stream and the main stream wait on each other), so no two calls use the workspace at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.kernels.graph_timing import graph_call_us
+
+ENABLED = os.environ.get("DDTREE_BLAS_CHOICE", "0") == "1"
+MAX_ROWS = 512  # a verify's rows; a prefill's chunks keep PyTorch's call
+
+# cublasLt.h / library_types.h values.
+_COMPUTE_32F = 68
+_R_32F, _R_16F, _R_16BF = 0, 2, 14
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE_BYTES = 1
+_ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+WORKSPACE_BYTES = 32 << 20
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _library_path() -> str:
+    """The libcublasLt this process's PyTorch loaded (after one matmul), else one beside it."""
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcublasLt.so" in line:
+                return line.split()[-1]
+    roots = [os.path.dirname(torch.__file__), os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")]
+    for root in roots:
+        found = sorted(glob.glob(os.path.join(root, "**", "libcublasLt.so*"), recursive=True))
+        if found:
+            return found[0]
+    raise RuntimeError("libcublasLt was not found beside PyTorch")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = ctypes.CDLL(_library_path())
+    p, i, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    sigs = {
+        "cublasLtCreate": [ctypes.POINTER(p)],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(p), i, i],
+        "cublasLtMatmulDescSetAttribute": [p, i, p, sz],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, u64, u64, i64],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
+        "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_HeuristicResult), ctypes.POINTER(i)],
+        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, sz, p],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, sz, ctypes.POINTER(sz)],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cublasStatus {status}")
+
+
+@functools.cache
+def _handle(device: int) -> tuple[int, torch.Tensor]:
+    """(cuBLASLt handle, workspace) for a device."""
+    handle = ctypes.c_void_p()
+    _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle.value, torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One of cuBLASLt's kernels for a shape: its algorithm (opaque) and what it says of itself."""
+
+    algo: _Algo
+    workspace: int
+    waves: float
+    config: dict
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.config.items())
+
+
+def _describe(algo: _Algo) -> dict:
+    out = {}
+    for name, attr in _ALGO_CONFIG.items():
+        value, written = ctypes.c_uint32(), ctypes.c_size_t()
+        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
+                                                      ctypes.byref(written)) == 0:
+            out[name] = value.value
+    return out
+
+
+class LtProjection:
+    """y [m, n] = x [m, k] @ W [n, k]^T (accumulate: y += ...) on one device: x and W in `dtype`
+    (bf16 / fp16), y in `out_dtype` (that dtype, or float32)."""
+
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, accumulate: bool = False, device: int = 0,
+                 out_dtype: torch.dtype | None = None):
+        out_dtype = out_dtype or dtype
+        if dtype not in (torch.bfloat16, torch.float16) or out_dtype not in (dtype, torch.float32):
+            raise ValueError(f"cuBLASLt projections take bf16 or fp16 in and that or float32 out, not {dtype} -> {out_dtype}")
+        self.m, self.n, self.k, self.dtype, self.out_dtype, self.accumulate = m, n, k, dtype, out_dtype, accumulate
+        self.device = device
+        lib, t = _lib(), _DTYPES[dtype]
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
+        for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4), "MatmulDescSetAttribute")
+        self.a, self.b, self.c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.a), t, k, n, k), "MatrixLayoutCreate")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.b), t, k, m, k), "MatrixLayoutCreate")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.c), _DTYPES[out_dtype], n, m, n), "MatrixLayoutCreate")
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
+
+    def candidates(self, count: int = 32) -> list[Candidate]:
+        """cuBLASLt's heuristic's kernels for this shape, its first choice first."""
+        lib = _lib()
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        limit = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+               "MatmulPreferenceSetAttribute")
+        results, returned = (_HeuristicResult * count)(), ctypes.c_int()
+        handle, _ = _handle(self.device)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref, count,
+                                                  results, ctypes.byref(returned)), "MatmulAlgoGetHeuristic")
+        return [Candidate(r.algo, r.workspace_size, r.waves_count, _describe(r.algo))
+                for r in results[:returned.value] if r.state == 0]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, candidate: Candidate) -> torch.Tensor:
+        """Writes (or with `accumulate` adds) x @ w.T into y [m, n] on the current stream; returns y."""
+        assert x.shape == (self.m, self.k) and w.shape == (self.n, self.k) and y.shape == (self.m, self.n)
+        assert x.is_contiguous() and w.is_contiguous() and y.is_contiguous() and y.dtype == self.out_dtype
+        handle, workspace = _handle(self.device)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(y.device).cuda_stream)
+        _check(_lib().cublasLtMatmul(handle, self.desc, ctypes.byref(self.alpha), w.data_ptr(), self.a, x.data_ptr(),
+                                     self.b, ctypes.byref(self.beta), y.data_ptr(), self.c, y.data_ptr(), self.c,
+                                     ctypes.byref(candidate.algo), workspace.data_ptr(), WORKSPACE_BYTES, stream),
+               "cublasLtMatmul")
+        return y
+
+
+@dataclass
+class _Choice:
+    plan: LtProjection
+    candidate: Candidate
+    torch_us: float
+    us: float
+
+
+_TIMING = {"calls": 16, "warm": 2, "repeats": 3}  # fewer than the benchmarks: this runs in an engine's warm-up
+
+# (m, n, k, dtype, out dtype, accumulate, device) -> the kernel chosen, or None for PyTorch's call.
+_CHOSEN: dict[tuple, _Choice | None] = {}
+
+
+def chosen() -> list[dict]:
+    """What `linear` chose so far, shape by shape (for logs and benchmarks)."""
+    rows = []
+    for (m, n, k, dtype, out_dtype, accumulate, _), choice in _CHOSEN.items():
+        row = {"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "accumulate": accumulate,
+               "float32_out": out_dtype == torch.float32, "lt": choice is not None}
+        if choice is not None:
+            row |= {"torch_us": round(choice.torch_us, 2), "us": round(choice.us, 2), "kernel": choice.candidate.label()}
+        rows.append(row)
+    return rows
+
+
+def _torch_linear(x, w, out, accumulate, out_dtype):
+    if accumulate:
+        return out.addmm_(x, w.t())
+    if out_dtype == torch.float32 and x.dtype != torch.float32:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return F.linear(x, w)
+
+
+def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
+    """Times PyTorch's call and each of cuBLASLt's candidates on copies of x, w (and out), enough
+    weight copies to keep each call's weights out of L2; the fastest candidate that agrees with
+    PyTorch's output and beats its time by 3% and 0.3 us, else None. Synchronises the device."""
+    m, k = x.shape
+    n = w.shape[0]
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    try:
+        weights = [w] + [w.clone() for _ in range(min(7, math.ceil(2 * l2 / w.nbytes) - 1))]
+        x = x.clone()
+        scratch = out.clone() if accumulate else torch.empty(m, n, dtype=out_dtype, device=x.device)
+    except torch.OutOfMemoryError:
+        return None
+    copies = len(weights)
+    torch_us = graph_call_us(lambda i: _torch_linear(x, weights[i % copies], scratch, accumulate, out_dtype),
+                             **_TIMING)
+    want = _torch_linear(x, w, torch.zeros_like(scratch), False, out_dtype).float()
+    plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
+    best = None
+    for cand in plan.candidates():
+        got = plan(x, w, torch.zeros_like(scratch), cand).float()
+        if not torch.isfinite(got).all() or (got - want).abs().max() > 1e-2 * want.abs().max().clamp_min(1e-6):
+            continue
+        us = graph_call_us(lambda i: plan(x, weights[i % copies], scratch, cand), **_TIMING)
+        if best is None or us < best.us:
+            best = _Choice(plan, cand, torch_us, us)
+    if best is None or best.us > min(0.97 * torch_us, torch_us - 0.3):
+        return None
+    return best
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           accumulate: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [m, k] @ w [n, k]^T (+ bias) -> a new [m, n] in `out_dtype` (default x's), or with
+    `accumulate` added into `out` [m, n] in place. Through the cuBLASLt kernel timed fastest for this
+    shape on this GPU where one beat PyTorch's call (timed the first time the shape comes outside a
+    graph's capture), else PyTorch's call (always with a bias); a shape first met during a capture
+    keeps PyTorch's call for good, so that eager and graph runs of one shape run the same kernel."""
+    if bias is not None:
+        if accumulate or out_dtype not in (None, x.dtype):
+            raise ValueError("a projection with a bias is neither accumulated nor widened here")
+        return F.linear(x, w, bias)
+    out_dtype = out_dtype or x.dtype
+    if not (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_contiguous() and w.is_contiguous()
+            and (not accumulate or (out.is_contiguous() and out.dtype == x.dtype))):
+        return _torch_linear(x, w, out, accumulate, out_dtype)
+    key = (x.shape[0], w.shape[0], x.shape[1], x.dtype, out_dtype, accumulate, x.device.index)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, w, out, accumulate, out_dtype)
+    choice = _CHOSEN[key]
+    if choice is None:
+        return _torch_linear(x, w, out, accumulate, out_dtype)
+    y = out if accumulate else torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
+    return choice.plan(x, w, y, choice.candidate)
