@@ -6,8 +6,11 @@ verify's few rows the projections run 4-9 us above their weights' copy time (ben
 "What is left at 64 over 32k"). cuBLASLt's heuristic offers a ranked list of kernels for a shape
 (tiles, split-K); on an H100 at Qwen3-8B's shapes one of its others beat its first by up to 4 us
 (`benchmarks/blaslt_algos.py`). `linear` times them the first time it meets a shape (outside a
-CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; with
-DDTREE_BLAS_CHOICE=0, or where nothing beat it, PyTorch's call runs.
+CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; where nothing beat
+it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: not yet timed in whole rounds. Its
+callers: a dense target's folded layers, a hybrid target's projections, both LM heads; the
+drafter's layers and a dense target's unfolded ones keep `F.linear` (their projections sit inside
+`torch.compile`d functions, which a ctypes call would break).
 
 The call is the one PyTorch makes for `F.linear`: column-major D [N, M] = op(A) @ B with A = W
 (K x N, ld K, transposed), B = x (K x M, ld K), bf16 / fp16 in, the output in that dtype or
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 
 from ddtree.kernels.graph_timing import graph_call_us
 
+log = logging.getLogger("ddtree.blaslt")
 ENABLED = os.environ.get("DDTREE_BLAS_CHOICE", "0") == "1"
 MAX_ROWS = 512  # a verify's rows; a prefill's chunks keep PyTorch's call
 
@@ -237,7 +242,11 @@ def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
         if best is None or us < best.us:
             best = _Choice(plan, cand, torch_us, us)
     if best is None or best.us > min(0.97 * torch_us, torch_us - 0.3):
+        log.info("projection [%d, %d] x [%d, %d]^T%s: PyTorch's call (%.1f us) kept", m, k, n, k,
+                 " (+=)" if accumulate else "", torch_us)
         return None
+    log.info("projection [%d, %d] x [%d, %d]^T%s: cuBLASLt's %s, %.1f us against PyTorch's %.1f", m, k, n, k,
+             " (+=)" if accumulate else "", best.candidate.label(), best.us, torch_us)
     return best
 
 
