@@ -88,3 +88,47 @@ def test_a_shape_first_met_in_a_capture_keeps_pytorchs_call(enabled):
     assert torch.equal(enabled.linear(x, w), F.linear(x, w))
     torch.cuda.synchronize()
     assert torch.equal(y, F.linear(x, w))
+
+
+class _FakePlan:
+    """Stands in for `LtProjection` on the CPU: candidate i computes x @ w.T times `scales[i]`."""
+
+    scales = (1.0, 1.0, 1.5, 1.0)
+
+    def __init__(self, m, n, k, dtype, accumulate, device, out_dtype):
+        self.accumulate = accumulate
+
+    def candidates(self):
+        return [blaslt.Candidate(blaslt._Algo(), 0, 1.0, {"index": i}) for i in range(len(self.scales))]
+
+    def __call__(self, x, w, y, cand):
+        product = (x @ w.T) * self.scales[cand.config["index"]]
+        return y.add_(product) if self.accumulate else y.copy_(product)
+
+
+def _fake_timing(monkeypatch, times):
+    """graph_call_us returns `times` in order: PyTorch's call first, then each agreeing candidate."""
+    queue = list(times)
+    monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: (fn(0), queue.pop(0))[1])
+    monkeypatch.setattr(blaslt, "LtProjection", _FakePlan)
+    monkeypatch.setattr(blaslt, "_l2_bytes", lambda device: 1 << 20)
+    return queue
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_choose_takes_the_fastest_candidate_that_agrees(monkeypatch, accumulate):
+    # PyTorch 10 us; candidates 0, 1 and 3 agree (2 is off by half) and take 9.5, 8.0 and 8.5 us.
+    queue = _fake_timing(monkeypatch, [10.0, 9.5, 8.0, 8.5])
+    x, w, out = torch.randn(3, 16), torch.randn(8, 16), torch.randn(3, 8)
+    before = out.clone()
+    choice = blaslt._choose(x, w, out, accumulate, torch.float32)
+    assert queue == []  # the disagreeing candidate was never timed
+    assert choice.candidate.config == {"index": 1} and (choice.torch_us, choice.us) == (10.0, 8.0)
+    assert torch.equal(out, before)  # the caller's output is not touched while timing
+
+
+@pytest.mark.parametrize("times", [[10.0, 9.8, 9.9, 9.9], [5.0, 4.8, 4.8, 4.9]])
+def test_choose_keeps_pytorch_unless_a_candidate_wins_clearly(monkeypatch, times):
+    # 2% faster, or 0.2 us faster: within what two timings of one kernel differ by.
+    _fake_timing(monkeypatch, times)
+    assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
