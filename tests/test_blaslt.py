@@ -132,3 +132,12 @@ def test_choose_keeps_pytorch_unless_a_candidate_wins_clearly(monkeypatch, times
     # 2% faster, or 0.2 us faster: within what two timings of one kernel differ by.
     _fake_timing(monkeypatch, times)
     assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
+
+
+def test_choose_keeps_pytorch_where_timing_runs_out_of_memory(monkeypatch):
+    def no_room(fn, **kw):
+        raise torch.OutOfMemoryError("no room")
+
+    _fake_timing(monkeypatch, [])
+    monkeypatch.setattr(blaslt, "graph_call_us", no_room)
+    assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None

@@ -220,17 +220,24 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
+    """`_time_candidates`, or None (PyTorch's call) where the GPU has no room for its copies."""
+    try:
+        return _time_candidates(x, w, out, accumulate, out_dtype)
+    except torch.OutOfMemoryError:
+        log.info("no memory to time cuBLASLt's kernels for [%d, %d] x [%d, %d]^T; PyTorch's call kept",
+                 *x.shape, *w.shape)
+        return None
+
+
+def _time_candidates(x, w, out, accumulate, out_dtype) -> _Choice | None:
     """Times PyTorch's call and each of cuBLASLt's candidates on copies of x, w (and out), enough
     weight copies to keep each call's weights out of L2; the fastest candidate that agrees with
     PyTorch's output and beats its time by 3% and 0.3 us, else None. Synchronises the device."""
     m, k = x.shape
     n = w.shape[0]
-    try:
-        weights = [w] + [w.clone() for _ in range(min(7, math.ceil(2 * _l2_bytes(x.device) / w.nbytes) - 1))]
-        x = x.clone()
-        scratch = out.clone() if accumulate else torch.empty(m, n, dtype=out_dtype, device=x.device)
-    except torch.OutOfMemoryError:
-        return None
+    weights = [w] + [w.clone() for _ in range(min(7, math.ceil(2 * _l2_bytes(x.device) / w.nbytes) - 1))]
+    x = x.clone()
+    scratch = out.clone() if accumulate else torch.empty(m, n, dtype=out_dtype, device=x.device)
     copies = len(weights)
     torch_us = graph_call_us(lambda i: _torch_linear(x, weights[i % copies], scratch, accumulate, out_dtype),
                              **_TIMING)
