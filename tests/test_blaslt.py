@@ -141,3 +141,24 @@ def test_choose_keeps_pytorch_where_timing_runs_out_of_memory(monkeypatch):
     _fake_timing(monkeypatch, [])
     monkeypatch.setattr(blaslt, "graph_call_us", no_room)
     assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
+
+
+def test_the_op_traces_whole_inside_a_compiled_function(enabled):
+    """`blaslt_linear` is what `linear` becomes inside a `torch.compile`d function on a GPU (the
+    drafter's layers): one opaque op with a shape rule, no graph break (fullgraph), PyTorch's
+    product where no kernel was chosen."""
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 32), torch.randn(24, 32)
+    torch.library.opcheck(torch.ops.ddtree.blaslt_linear.default, (x, w, False))
+    fn = torch.compile(lambda x, w: torch.ops.ddtree.blaslt_linear(x, w, False).relu(), backend="aot_eager",
+                       fullgraph=True, dynamic=True)
+    torch.testing.assert_close(fn(x, w), F.linear(x, w).relu())
+    torch.testing.assert_close(fn(x[:3], w), F.linear(x[:3], w).relu())
+
+
+def test_training_keeps_pytorchs_call(enabled, monkeypatch):
+    """Gradients flow: a projection whose inputs need them never goes through cuBLASLt's call."""
+    monkeypatch.setattr(blaslt, "_linear", lambda *a: pytest.fail("cuBLASLt's path taken while training"))
+    x, w = torch.randn(3, 16), torch.randn(8, 16, requires_grad=True)
+    enabled.linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(8, 16))

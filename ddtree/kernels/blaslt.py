@@ -7,10 +7,10 @@ verify's few rows the projections run 4-9 us above their weights' copy time (ben
 (tiles, split-K); on an H100 at Qwen3-8B's shapes one of its others beat its first by up to 4 us
 (`benchmarks/blaslt_algos.py`). `linear` times them the first time it meets a shape (outside a
 CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; where nothing beat
-it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: not yet timed in whole rounds. Its
-callers: a dense target's folded layers, a hybrid target's projections, both LM heads; the
-drafter's layers and a dense target's unfolded ones keep `F.linear` (their projections sit inside
-`torch.compile`d functions, which a ctypes call would break).
+it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: not yet timed in whole rounds. Every
+bias-free projection of the targets and the drafter comes through `linear`; inside a
+`torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
+`ddtree::blaslt_linear`, which the compiled code calls as it runs.
 
 The call is the one PyTorch makes for `F.linear`: column-major D [N, M] = op(A) @ B with A = W
 (K x N, ld K, transposed), B = x (K x M, ld K), bf16 / fp16 in, the output in that dtype or
@@ -272,6 +272,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
             raise ValueError("a projection with a bias is neither accumulated nor widened here")
         return F.linear(x, w, bias)
     out_dtype = out_dtype or x.dtype
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):  # cuBLASLt's call has no backward
+        return _torch_linear(x, w, out, accumulate, out_dtype)
+    if torch.compiler.is_compiling():  # inside a compiled function: one opaque op, no graph break
+        if ENABLED and not accumulate and x.is_cuda:
+            return torch.ops.ddtree.blaslt_linear(x, w, out_dtype == torch.float32)
+        return _torch_linear(x, w, out, accumulate, out_dtype)
+    return _linear(x, w, out, accumulate, out_dtype)
+
+
+def _linear(x, w, out, accumulate: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """`linear` without a bias, run eagerly (or as `blaslt_linear`'s body)."""
     if not (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_contiguous() and w.is_contiguous()
             and (not accumulate or (out.is_contiguous() and out.dtype == x.dtype))):
@@ -284,3 +295,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, o
         return _torch_linear(x, w, out, accumulate, out_dtype)
     y = out if accumulate else torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     return choice.plan(x, w, y, choice.candidate)
+
+
+@torch.library.custom_op("ddtree::blaslt_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, float32_out: bool) -> torch.Tensor:
+    """`linear(x, w)` as one op for `torch.compile`d functions (the drafter's layers, a dense
+    target's unfolded ones): traced as a call, run eagerly, where the kernel choice happens."""
+    return _linear(x, w, None, False, torch.float32 if float32_out else x.dtype)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, float32_out: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if float32_out else x.dtype)

@@ -10,9 +10,9 @@ target's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels import blaslt
 from ddtree.kv_cache import KVCache
 from ddtree.models.configs import DrafterConfig
 from ddtree.models.fused import EAGER, LayerOps, compiled_ops
@@ -132,7 +132,7 @@ class DFlashDrafter(nn.Module):
         slots: [M] where they go (None: their positions)."""
         slots = positions if slots is None else slots
         ops = self.ops
-        ctx = ops.rms_norm(F.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
+        ctx = ops.rms_norm(blaslt.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
         if self.context_kv is not None:  # fused: every layer at once
             kv_w, kv_b, k_norms = self.context_kv

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ddtree.kernels import blaslt
 from ddtree.kernels.tree_attention import key_range
 
 
@@ -48,7 +49,7 @@ def norm_qkv(h, delta, norm_w, qkv_w, qkv_b, eps: float):
     [N, (Hq + 2 Hkv) D]): on a GPU the heads' norms, rotations and the cache write then take one
     launch (`kernels.qk_rope_write`)."""
     h = add_residual(h, delta)
-    return h, F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    return h, blaslt.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
 
 
 def split_heads(qkv, n_heads: int, n_kv: int, head_dim: int):
@@ -75,24 +76,24 @@ def project_qkv_split(h, delta, norm_w, q_w, k_w, v_w, q_b, k_b, v_b, q_norm_w, 
     h = add_residual(h, delta)
     n = h.shape[0]
     x = rms_norm(h, norm_w, eps)
-    q = rms_norm(F.linear(x, q_w, q_b).view(n, n_heads, head_dim), q_norm_w, eps)
-    k = rms_norm(F.linear(x, k_w, k_b).view(n, n_kv, head_dim), k_norm_w, eps)
-    v = F.linear(x, v_w, v_b).view(n, n_kv, head_dim)
+    q = rms_norm(blaslt.linear(x, q_w, q_b).view(n, n_heads, head_dim), q_norm_w, eps)
+    k = rms_norm(blaslt.linear(x, k_w, k_b).view(n, n_kv, head_dim), k_norm_w, eps)
+    v = blaslt.linear(x, v_w, v_b).view(n, n_kv, head_dim)
     return h, rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 def project_kv(x, k_w, k_b, v_w, v_b, k_norm_w, cos, sin, n_kv: int, head_dim: int, eps: float):
     """x [M, H] (no input norm: the drafter's context) -> k [M, Hkv, D] (normed, rotated), v [M, Hkv, D]."""
     m = x.shape[0]
-    k = rms_norm(F.linear(x, k_w, k_b).view(m, n_kv, head_dim), k_norm_w, eps)
-    return rotate(k, cos, sin), F.linear(x, v_w, v_b).view(m, n_kv, head_dim)
+    k = rms_norm(blaslt.linear(x, k_w, k_b).view(m, n_kv, head_dim), k_norm_w, eps)
+    return rotate(k, cos, sin), blaslt.linear(x, v_w, v_b).view(m, n_kv, head_dim)
 
 
 def project_context_kv(x, kv_w, kv_b, k_norm_w, cos, sin, n_kv: int, head_dim: int, eps: float):
     """x [M, H] (the drafter's context) -> k, v [M, L, Hkv, D] of all L layers from one matmul:
     kv_w [L * 2 * Hkv * D, H] stacks each layer's k then v rows; k_norm_w [L, D]; k normed and rotated."""
     m, layers = x.shape[0], k_norm_w.shape[0]
-    kv = F.linear(x, kv_w, kv_b).view(m, layers, 2, n_kv, head_dim)
+    kv = blaslt.linear(x, kv_w, kv_b).view(m, layers, 2, n_kv, head_dim)
     k = rms_norm(kv[:, :, 0], k_norm_w[None, :, None, :], eps).reshape(m, layers * n_kv, head_dim)
     return rotate(k, cos, sin).view(m, layers, n_kv, head_dim), kv[:, :, 1]
 
@@ -100,9 +101,9 @@ def project_context_kv(x, kv_w, kv_b, k_norm_w, cos, sin, n_kv: int, head_dim: i
 def finish_layer(h, attn, o_w, o_b, norm_w, gate_up_w, gate_up_b, down_w, down_b, eps: float):
     """The rest of a decoder layer after attention: o_proj + residual, then RMSNorm -> SwiGLU ->
     (h [N, H], delta [N, H]): the layer's output is h + delta, added by whatever reads it next."""
-    h = add_residual(h, F.linear(attn, o_w, o_b))
-    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return h, F.linear(F.silu(gate) * up, down_w, down_b)
+    h = add_residual(h, blaslt.linear(attn, o_w, o_b))
+    gate, up = blaslt.linear(rms_norm(h, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return h, blaslt.linear(F.silu(gate) * up, down_w, down_b)
 
 
 def final_norm(h, delta, norm_w, eps: float):
