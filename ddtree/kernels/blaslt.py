@@ -172,6 +172,9 @@ class LtProjection:
         """Writes (or with `accumulate` adds) x @ w.T into y [m, n] on the current stream; returns y."""
         assert x.shape == (self.m, self.k) and w.shape == (self.n, self.k) and y.shape == (self.m, self.n)
         assert x.is_contiguous() and w.is_contiguous() and y.is_contiguous() and y.dtype == self.out_dtype
+        if torch.cuda.current_device() != y.device.index:  # cuBLASLt launches on the current device
+            with torch.cuda.device(y.device):
+                return self(x, w, y, candidate)
         handle, workspace = _handle(self.device)
         stream = ctypes.c_void_p(torch.cuda.current_stream(y.device).cuda_stream)
         _check(_lib().cublasLtMatmul(handle, self.desc, ctypes.byref(self.alpha), w.data_ptr(), self.a, x.data_ptr(),
