@@ -84,6 +84,7 @@ def _lib() -> ctypes.CDLL:
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), i, u64, u64, i64],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, sz],
+        "cublasLtMatmulPreferenceDestroy": [p],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, ctypes.POINTER(_HeuristicResult), ctypes.POINTER(i)],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, sz, p],
         "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i, p, sz, ctypes.POINTER(sz)],
@@ -163,8 +164,11 @@ class LtProjection:
                "MatmulPreferenceSetAttribute")
         results, returned = (_HeuristicResult * count)(), ctypes.c_int()
         handle, _ = _handle(self.device)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref, count,
-                                                  results, ctypes.byref(returned)), "MatmulAlgoGetHeuristic")
+        try:
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref, count,
+                                                      results, ctypes.byref(returned)), "MatmulAlgoGetHeuristic")
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
         return [Candidate(r.algo, r.workspace_size, r.waves_count, _describe(r.algo))
                 for r in results[:returned.value] if r.state == 0]
 
