@@ -3,10 +3,12 @@
     python -m benchmarks.blaslt_algos OUTPUT.json [--tokens 65,257] [--shape qwen3-8b|qwen3.6-27b]
         [--candidates 32]
 
-Each shape is timed as the engine calls it: `F.linear(x, W)` for q/k/v, gate + up and the LM head,
-`y.addmm_(x, W.t())` (the residual added in place) for the o and down projections of Qwen3-8B's
-folded layers. Then each of cuBLASLt's candidates for the same call (`ddtree.kernels.blaslt`),
-checked against PyTorch's output first. Timing as `benchmarks/gemm_tokens.py`: 64 calls over 8
+Each shape is timed as the engine calls it: `y.addmm_(x, W.t())` (the residual added in place)
+for the o and down projections of Qwen3-8B's folded layers, `F.linear(x, W)` for the rest (every
+projection of the hybrid Qwen3.6-27B, whose norms are not folded), the LM head with float32
+logits as the engine asks for them (`torch.mm(..., out_dtype=torch.float32)`). Then each of
+cuBLASLt's candidates for the same call (`ddtree.kernels.blaslt`), checked against PyTorch's
+output first. Timing as `benchmarks/gemm_tokens.py`: 64 calls over 8
 weight copies (no L2 reuse) in one CUDA graph, the median of 5 replays.
 """
 from __future__ import annotations
@@ -22,19 +24,21 @@ from ddtree.bench.machine import git_revision, machine_info
 from ddtree.bench.timing import graph_call_us
 from ddtree.kernels.blaslt import LtProjection
 
-ACCUMULATE = {"down", "attn_o"}
+ACCUMULATE_8B = {"down", "attn_o"}  # a folded dense layer's residual adds
 
 
-def time_shape(name: str, k: int, n: int, m: int, count: int, copies: int = 8) -> dict:
-    accumulate = name in ACCUMULATE
+def time_shape(name: str, k: int, n: int, m: int, count: int, accumulate: bool, copies: int = 8) -> dict:
+    out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16  # the engine's logits are float32
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(m, n, device="cuda", dtype=out_dtype)
     if accumulate:
         torch_us = graph_call_us(lambda i: y.addmm_(x, weights[i % copies].t()), warm=copies)
+    elif out_dtype == torch.float32:
+        torch_us = graph_call_us(lambda i: torch.mm(x, weights[i % copies].t(), out_dtype=torch.float32), warm=copies)
     else:
         torch_us = graph_call_us(lambda i: torch.mm(x, weights[i % copies].t(), out=y), warm=copies)
-    lt = LtProjection(m, n, k, torch.bfloat16, accumulate=accumulate)
+    lt = LtProjection(m, n, k, torch.bfloat16, accumulate=accumulate, out_dtype=out_dtype)
     want = F.linear(x, weights[0]).float()
     rows = []
     for index, cand in enumerate(lt.candidates(count)):
@@ -46,7 +50,8 @@ def time_shape(name: str, k: int, n: int, m: int, count: int, copies: int = 8) -
                      **cand.config})
     timed = [r for r in rows if r["us"] is not None]
     best = min(timed, key=lambda r: r["us"]) if timed else None
-    return {"shape": name, "K": k, "N": n, "tokens": m, "accumulate": accumulate, "torch_us": torch_us,
+    return {"shape": name, "K": k, "N": n, "tokens": m, "accumulate": accumulate,
+            "float32_out": out_dtype == torch.float32, "torch_us": torch_us,
             "lt_first_us": timed[0]["us"] if timed and timed[0]["index"] == 0 else None,
             "best_us": best["us"] if best else None, "best_index": best["index"] if best else None,
             "weights_us_at_4p24": k * n * 2 / 4.24e6, "candidates": rows}
@@ -63,7 +68,7 @@ def main() -> None:
     results = []
     for name, (k, n) in shapes.items():
         for m in (int(t) for t in args.tokens.split(",")):
-            r = time_shape(name, k, n, m, args.candidates)
+            r = time_shape(name, k, n, m, args.candidates, args.shape == "qwen3-8b" and name in ACCUMULATE_8B)
             results.append(r)
             best = f"{r['best_us']:7.1f} us (#{r['best_index']})" if r["best_us"] else "none"
             print(f"{name:9s} M={m:4d} torch {r['torch_us']:7.1f} us  lt first {r['lt_first_us'] or 0:7.1f}  "
