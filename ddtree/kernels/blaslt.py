@@ -227,44 +227,60 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
-    """`_time_candidates`, or None (PyTorch's call) where the GPU has no room for its copies."""
-    try:
-        return _time_candidates(x, w, out, accumulate, out_dtype)
-    except torch.OutOfMemoryError:
-        log.info("no memory to time cuBLASLt's kernels for [%d, %d] x [%d, %d]^T; PyTorch's call kept",
-                 *x.shape, *w.shape)
-        return None
-
-
-def _time_candidates(x, w, out, accumulate, out_dtype) -> _Choice | None:
-    """Times PyTorch's call and each of cuBLASLt's candidates on copies of x, w (and out), enough
-    weight copies to keep each call's weights out of L2; the fastest candidate that agrees with
-    PyTorch's output and beats its time by 3% and 0.3 us, else None. Synchronises the device."""
+    """The fastest candidate of `time_candidates` that agrees with PyTorch's output and beats its
+    time by 3% and 0.3 us, else None (PyTorch's call), as also where the GPU has no room to time."""
     m, k = x.shape
     n = w.shape[0]
-    weights = [w] + [w.clone() for _ in range(min(7, math.ceil(2 * _l2_bytes(x.device) / w.nbytes) - 1))]
-    x = x.clone()
-    scratch = out.clone() if accumulate else torch.empty(m, n, dtype=out_dtype, device=x.device)
-    copies = len(weights)
-    torch_us = graph_call_us(lambda i: _torch_linear(x, weights[i % copies], scratch, accumulate, out_dtype),
-                             **_TIMING)
-    want = _torch_linear(x, w, torch.zeros_like(scratch), False, out_dtype).float()
-    plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
-    best = None
-    for cand in plan.candidates():
-        got = plan(x, w, torch.zeros_like(scratch), cand).float()
-        if not torch.isfinite(got).all() or (got - want).abs().max() > 1e-2 * want.abs().max().clamp_min(1e-6):
-            continue
-        us = graph_call_us(lambda i: plan(x, weights[i % copies], scratch, cand), **_TIMING)
-        if best is None or us < best.us:
-            best = _Choice(plan, cand, torch_us, us)
+    try:
+        plan, torch_us, timed = time_candidates(x, w, out, accumulate, out_dtype)
+    except torch.OutOfMemoryError:
+        log.info("no memory to time cuBLASLt's kernels for [%d, %d] x [%d, %d]^T; PyTorch's call kept", m, k, n, k)
+        return None
+    best = min((t for t in timed if t.us is not None), key=lambda t: t.us, default=None)
     if best is None or best.us > min(0.97 * torch_us, torch_us - 0.3):
         log.info("projection [%d, %d] x [%d, %d]^T%s: PyTorch's call (%.1f us) kept", m, k, n, k,
                  " (+=)" if accumulate else "", torch_us)
         return None
     log.info("projection [%d, %d] x [%d, %d]^T%s: cuBLASLt's %s, %.1f us against PyTorch's %.1f", m, k, n, k,
              " (+=)" if accumulate else "", best.candidate.label(), best.us, torch_us)
-    return best
+    return _Choice(plan, best.candidate, torch_us, best.us)
+
+
+@dataclass
+class Timed:
+    """A candidate, its output's largest difference from PyTorch's over PyTorch's largest value,
+    and its time (None where it disagreed, by 1e-2 or more, or gave a non-finite value)."""
+
+    candidate: Candidate
+    rel_err: float
+    us: float | None
+
+
+def time_candidates(x, w, out, accumulate: bool, out_dtype: torch.dtype, copies: int | None = None,
+                    timing: dict | None = None) -> tuple[LtProjection, float, list[Timed]]:
+    """(the plan, PyTorch's call's us, each of cuBLASLt's candidates checked and timed) for
+    x @ w.T (accumulate: added into out), on copies of x, w and out: `copies` weights (default:
+    enough to keep each call's weights out of L2), `timing` as `graph_call_us` takes it (default
+    `_TIMING`). Synchronises the device."""
+    m, k = x.shape
+    n = w.shape[0]
+    timing = timing or _TIMING
+    copies = copies or min(8, max(1, math.ceil(2 * _l2_bytes(x.device) / w.nbytes)))
+    weights = [w] + [w.clone() for _ in range(copies - 1)]
+    x = x.clone()
+    scratch = out.clone() if accumulate else torch.empty(m, n, dtype=out_dtype, device=x.device)
+    torch_us = graph_call_us(lambda i: _torch_linear(x, weights[i % copies], scratch, accumulate, out_dtype),
+                             **timing)
+    want = _torch_linear(x, w, torch.zeros_like(scratch), False, out_dtype).float()
+    plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
+    timed = []
+    for cand in plan.candidates():
+        got = plan(x, w, torch.zeros_like(scratch), cand).float()
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        agrees = err < 1e-2 and bool(torch.isfinite(got).all())
+        us = graph_call_us(lambda i: plan(x, weights[i % copies], scratch, cand), **timing) if agrees else None
+        timed.append(Timed(cand, err, us))
+    return plan, torch_us, timed
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
