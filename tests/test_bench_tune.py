@@ -101,6 +101,31 @@ def test_auto_context_budgets_cap_the_temperature_pick(llm, tuned, drafter_copy)
         llm.auto_budgets, llm.auto_context_budgets = saved
 
 
+def test_auto_measures_context_caps_without_a_tune_file(llm, tmp_path, monkeypatch):
+    """No tune file: `serve --tree-budget auto` measures greedy decoding after long prompts itself,
+    among the budgets up to the greedy pick, and files the winner under the context's bucket;
+    nothing to measure when the greedy pick is `ar` or no long context fits."""
+    from ddtree.bench import tune
+
+    monkeypatch.setattr(tune, "tune_contexts", lambda llm, max_tokens: [1024])
+    saved = llm.auto_budgets
+    try:
+        llm.auto_budgets = {"greedy": TreeShape.best(15), "t>0.8": AR}
+        lines: list[str] = []
+        picks = resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=2)
+        assert list(picks) == ["ctx<=2k"] and picks["ctx<=2k"] in (AR, CHAIN, TreeShape.best(15))
+        assert any("after prompts of 1024 tokens at ar, chain, 15," in line for line in lines)
+        assert any("context 1024 tokens (ctx<=2k)" in line for line in lines)
+        assert resolve_context_budgets(llm, tmp_path, log=lines.append) == {}  # not asked to measure
+        llm.auto_budgets = {"greedy": AR}
+        assert resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=2) == {}
+        llm.auto_budgets = {"greedy": TreeShape.best(15)}
+        monkeypatch.setattr(tune, "tune_contexts", lambda llm, max_tokens: [])
+        assert resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=2) == {}
+    finally:
+        llm.auto_budgets = saved
+
+
 def test_calibration_prompts_of_a_context_length(llm):
     prompts = _calibration_prompts(llm, 8, 1500)
     assert len(prompts) == 4 and all(len(p) == 1500 for p in prompts) and len({tuple(p) for p in prompts}) == 4

@@ -3,7 +3,9 @@
 `ddtree tune` runs an offline sweep and writes the winner per concurrency level to a small JSON
 file, by default `<draft_dir>/ddtree_tune.json`. `resolve_auto_budget` (behind
 `ddtree serve --tree-budget auto`) reads that file when it was made on this device for this
-target/drafter pair, and otherwise runs a calibration of at most `time_limit_s` seconds.
+target/drafter pair, and otherwise runs a calibration of at most `time_limit_s` seconds;
+`resolve_context_budgets` likewise takes the file's picks per context bucket, or measures them
+(`calibrate_context_caps`) when asked to.
 
 With `--max-num-seqs N` the file also holds the batched engine's round costs for 1..N rows at
 `ROUND_COST_CONTEXTS` (ddtree.round_costs), which `resolve_round_costs` (behind the adaptive batch
@@ -43,6 +45,9 @@ CALIBRATION_LONG_PROMPTS = 4  # distinct prompts of a context length calibration
 # last segment's slope: timed at 64 and 1024 alone, a 32k-token batch was priced from a difference
 # its attention barely shows at 1024 tokens, 30x extrapolated.
 ROUND_COST_CONTEXTS = (64, 1024, 8192, 32768)
+# `serve --tree-budget auto` without a tune file's contexts: seconds of greedy measurement after the
+# prompts of each long context (`calibrate_context_caps`), on top of each budget's warm-up request.
+STARTUP_CONTEXT_SECONDS = 10.0
 
 
 def tune_file_path(draft_dir: str | Path) -> Path:
@@ -434,18 +439,48 @@ def _batch_engine(llm, budgets: list[TreeShape]):
     return llm.batched(max(b.nodes(llm.block_size) for b in budgets)).engine
 
 
-def resolve_context_budgets(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print
-                            ) -> dict[str, TreeShape]:
+def resolve_context_budgets(llm, draft_dir: str | Path | None, log: Callable[[str], None] = print,
+                            seconds_per_context: float = 0.0) -> dict[str, TreeShape]:
     """The tree budget per context bucket for `--tree-budget auto` (`LLM.auto_context_budgets`): what
-    `<draft_dir>/ddtree_tune.json` measured at long contexts when the file applies, else none (a
-    start-up calibration does not measure long contexts: their prefills alone would take long)."""
+    `<draft_dir>/ddtree_tune.json` measured at long contexts when the file applies and holds any;
+    else, with `seconds_per_context`, a greedy calibration after prompts of each context bucket's
+    bound that fits (`tune_contexts`: 8192 and 32768 tokens where the context limit allows), among
+    the budgets up to the greedy pick (`llm.auto_budgets`; a context pick only caps it), about
+    `seconds_per_context` each plus each budget's warm-up request; else none."""
     path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
-    if llm.drafter is None or not path.is_file():
+    if llm.drafter is None:
         return {}
-    record, reason = _matching_record(llm, path)
-    picks = context_picks(record) if reason is None else {}
+    picks: dict[str, TreeShape] = {}
+    if path.is_file():
+        record, reason = _matching_record(llm, path)
+        picks = context_picks(record) if reason is None else {}
+        if picks:
+            log("tree budget auto by context (a cap on the temperature bucket's pick): " + _picks_line(picks))
+            return picks
+    if seconds_per_context > 0:
+        picks = calibrate_context_caps(llm, seconds_per_context, log)
+    return picks
+
+
+def calibrate_context_caps(llm, seconds_per_context: float, log: Callable[[str], None] = print
+                           ) -> dict[str, TreeShape]:
+    """`resolve_context_budgets`' start-up measurement when no tune file says: each context bucket's
+    fastest budget among those up to the greedy pick (none to measure where that pick is `ar`, or
+    where no bucket's bound past 2048 tokens fits the context limit)."""
+    greedy = (llm.auto_budgets or {}).get(GREEDY.name, llm.default_budget)
+    budgets = [b for b in CALIBRATION_BUDGETS if b.nodes(llm.block_size) <= greedy.nodes(llm.block_size)]
+    contexts = tune_contexts(llm, CALIBRATION_MAX_TOKENS)
+    if len(budgets) < 2 or not contexts:
+        return {}
+    log(f"tree budget auto: measuring greedy decoding after prompts of {', '.join(map(str, contexts))} tokens "
+        f"at {', '.join(map(str, budgets))}, about {seconds_per_context:g} s each (a tune file's contexts "
+        "replace this: `ddtree tune`)")
+    start = time.perf_counter()
+    picks = {name: entry["tree_budget"]
+             for name, entry in measure_contexts(llm, seconds_per_context, contexts, budgets, log=log).items()}
     if picks:
-        log("tree budget auto by context (a cap on the temperature bucket's pick): " + _picks_line(picks))
+        log(f"tree budget auto by context (a cap on the temperature bucket's pick), measured in "
+            f"{time.perf_counter() - start:.1f} s: " + _picks_line(picks))
     return picks
 
 

@@ -139,12 +139,13 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
               kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
               **({"tree_budget": budget} if fixed else {}))
     if budget == "auto":
-        from ddtree.bench.tune import resolve_auto_budgets, resolve_context_budgets
+        from ddtree.bench.tune import STARTUP_CONTEXT_SECONDS, resolve_auto_budgets, resolve_context_budgets
         from ddtree.temperature_buckets import GREEDY
 
         log.info("tree budget 'auto': measuring budgets for this machine")
         llm.auto_budgets = resolve_auto_budgets(llm, llm.draft_path, log=log.info)
-        llm.auto_context_budgets = resolve_context_budgets(llm, llm.draft_path, log=log.info)
+        llm.auto_context_budgets = resolve_context_budgets(llm, llm.draft_path, log=log.info,
+                                                           seconds_per_context=STARTUP_CONTEXT_SECONDS)
         llm.default_budget = llm.auto_budgets[GREEDY.name]
         log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s", llm.default_budget,
                  ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()))
