@@ -267,6 +267,24 @@ def test_interrupted_tune_writes_what_it_measured(demo_pair, tmp_path, monkeypat
     assert "interrupted: 1 of 3 runs measured" in printed and "tune file written" in printed
 
 
+def test_startup_round_costs_time_a_long_context_on_a_gpu_only(llm):
+    """Without a tune file a GPU times batched rounds at 64 and 8192 tokens (so longer batches are
+    priced along the slope between them), cut to the context limit; the CPU at 64 only."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddtree.bench.tune import startup_round_cost_contexts
+
+    def contexts(device: str, limit: int) -> list[int]:
+        return startup_round_cost_contexts(SimpleNamespace(device=torch.device(device), max_model_len=limit,
+                                                           block_size=16))
+
+    assert contexts("cuda", 40960) == [64, 8192]
+    assert contexts("cuda", 4096) == [64, 4096 - 33]  # room for two rounds of 16
+    assert contexts("cpu", 40960) == [64] == startup_round_cost_contexts(llm)
+
+
 def test_tune_with_max_num_seqs_stores_the_round_costs_a_batching_server_reads(demo_pair, tmp_path):
     from ddtree.bench.tune import resolve_round_costs
     from ddtree.round_costs import RoundCostTable

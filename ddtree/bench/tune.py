@@ -9,8 +9,8 @@ target/drafter pair, and otherwise runs a calibration of at most `time_limit_s` 
 
 With `--max-num-seqs N` the file also holds the batched engine's round costs for 1..N rows at
 `ROUND_COST_CONTEXTS` (ddtree.round_costs), which `resolve_round_costs` (behind the adaptive batch
-budget of `ddtree serve` without --tree-budget) reads instead of measuring one short context at
-start-up.
+budget of `ddtree serve` without --tree-budget) reads instead of timing them at start-up
+(`startup_round_cost_contexts`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ddtree.bench.report import median, recommend, recommendation_line
 from ddtree.bench.runner import OfflineBackend, SweepSettings
 from ddtree.budget_selector import CONTEXT_BUCKETS, context_bucket
 from ddtree.config import DDTreeError, SamplingParams, parse_tree_budget
-from ddtree.round_costs import RoundCostTable, measure_round_costs, timed_contexts
+from ddtree.round_costs import STARTUP_CONTEXT, RoundCostTable, measure_round_costs, timed_contexts
 from ddtree.temperature_buckets import BUCKET_NAMES, BUCKETS, GREEDY, SAMPLED_BUCKETS
 from ddtree.tree_shape import AR, CHAIN, SWEEP_BEST, TreeShape, shape_json
 
@@ -48,6 +48,10 @@ ROUND_COST_CONTEXTS = (64, 1024, 8192, 32768)
 # `serve --tree-budget auto` without a tune file's contexts: seconds of greedy measurement after the
 # prompts of each long context (`calibrate_context_caps`), on top of each budget's warm-up request.
 STARTUP_CONTEXT_SECONDS = 10.0
+# The long context start-up times batched rounds at on a GPU besides STARTUP_CONTEXT, without a
+# tune file's round costs (`startup_round_cost_contexts`): its rows' prefills, shared by the
+# budgets, are 1 + 2 + 4 + ... + max_num_seqs rows of it (15 at 8 rows: 122880 tokens).
+STARTUP_LONG_CONTEXT = 8192
 
 
 def tune_file_path(draft_dir: str | Path) -> Path:
@@ -409,7 +413,7 @@ def measure_tune_round_costs(llm, budgets: list[TreeShape], log: Callable[[str],
 def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None] = print) -> RoundCostTable:
     """The round costs of the adaptive batch budget: the tune file's (beside the drafter) when
     `ddtree tune --max-num-seqs` measured them on this device for this pair with at least
-    max_num_seqs rows, else measured now at one short context (a few seconds on a CPU)."""
+    max_num_seqs rows, else measured now at `startup_round_cost_contexts` (a few seconds on a CPU)."""
     path = tune_file_path(llm.draft_path)
     reason = f"no tune file at {path}"
     if path.is_file():
@@ -428,10 +432,21 @@ def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None
                     return table
                 reason = f"{path} measured round costs up to {table.max_rows} rows, not {llm.max_num_seqs}"
     start = time.perf_counter()
-    table = measure_round_costs(_batch_engine(llm, budgets), budgets)
+    contexts = startup_round_cost_contexts(llm)
+    table = measure_round_costs(_batch_engine(llm, budgets), budgets, contexts=contexts)
     log(f"batch budget: {reason}; measured round costs for 1..{llm.max_num_seqs} rows at "
-        f"{', '.join(map(str, budgets))} in {time.perf_counter() - start:.1f} s: {table.summary()}")
+        f"{', '.join(map(str, budgets))}, contexts {', '.join(map(str, contexts))}, in "
+        f"{time.perf_counter() - start:.1f} s: {table.summary()}")
     return table
+
+
+def startup_round_cost_contexts(llm) -> list[int]:
+    """The contexts start-up times batched rounds at when no tune file holds them: STARTUP_CONTEXT,
+    and on a GPU STARTUP_LONG_CONTEXT too (cut to the context limit), so that a longer batch is
+    priced along the slope between the two, its attention's growth, rather than at a short
+    context's cost. (The CPU's start-up keeps the one short context: its rounds are slow to time.)"""
+    contexts = [STARTUP_CONTEXT] + ([STARTUP_LONG_CONTEXT] if llm.device.type == "cuda" else [])
+    return timed_contexts(contexts, llm.max_model_len, llm.block_size)
 
 
 def _batch_engine(llm, budgets: list[TreeShape]):
