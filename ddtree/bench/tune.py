@@ -434,8 +434,11 @@ def resolve_round_costs(llm, budgets: list[TreeShape], log: Callable[[str], None
     start = time.perf_counter()
     contexts = startup_round_cost_contexts(llm)
     table = measure_round_costs(_batch_engine(llm, budgets), budgets, contexts=contexts)
+    timed = sorted({point.context for point in table.points})
+    untimed = "".join(f" (context {c}: not timed, the KV cache holds too few such rows)" for c in contexts
+                      if c not in timed)
     log(f"batch budget: {reason}; measured round costs for 1..{llm.max_num_seqs} rows at "
-        f"{', '.join(map(str, budgets))}, contexts {', '.join(map(str, contexts))}, in "
+        f"{', '.join(map(str, budgets))}, contexts {', '.join(map(str, timed))}{untimed}, in "
         f"{time.perf_counter() - start:.1f} s: {table.summary()}")
     return table
 
