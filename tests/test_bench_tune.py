@@ -119,6 +119,10 @@ def test_auto_measures_context_caps_without_a_tune_file(llm, tmp_path, monkeypat
         assert resolve_context_budgets(llm, tmp_path, log=lines.append) == {}  # not asked to measure
         llm.auto_budgets = {"greedy": AR}
         assert resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=2) == {}
+        llm.auto_budgets = {"greedy": TreeShape.best(8)}  # a pick no calibration budget is: measured too
+        picks = resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=1)
+        assert any("after prompts of 1024 tokens at ar, 8," in line for line in lines)
+        assert picks["ctx<=2k"] in (AR, TreeShape.best(8))
         llm.auto_budgets = {"greedy": TreeShape.best(15)}
         monkeypatch.setattr(tune, "tune_contexts", lambda llm, max_tokens: [])
         assert resolve_context_budgets(llm, tmp_path, log=lines.append, seconds_per_context=2) == {}

@@ -483,10 +483,11 @@ def resolve_context_budgets(llm, draft_dir: str | Path | None, log: Callable[[st
 def calibrate_context_caps(llm, seconds_per_context: float, log: Callable[[str], None] = print
                            ) -> dict[str, TreeShape]:
     """`resolve_context_budgets`' start-up measurement when no tune file says: each context bucket's
-    fastest budget among those up to the greedy pick (none to measure where that pick is `ar`, or
-    where no bucket's bound past 2048 tokens fits the context limit)."""
+    fastest budget among the greedy pick and the calibration's smaller ones (none to measure where
+    that pick is `ar`, or where no bucket's bound past 2048 tokens fits the context limit)."""
     greedy = (llm.auto_budgets or {}).get(GREEDY.name, llm.default_budget)
     budgets = [b for b in CALIBRATION_BUDGETS if b.nodes(llm.block_size) <= greedy.nodes(llm.block_size)]
+    budgets += [] if greedy in budgets else [greedy]  # a tune file's pick may be no calibration budget
     contexts = tune_contexts(llm, CALIBRATION_MAX_TOKENS)
     if len(budgets) < 2 or not contexts:
         return {}
