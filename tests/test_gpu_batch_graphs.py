@@ -155,3 +155,18 @@ def test_hybrid_graph_rounds_equal_solo_runs_float32(hybrid_pair, budget):
     Triton tree and fold kernels, the back's warm-up folding nothing) equal each row's solo run."""
     engine = graph_rounds_against_solo(hybrid_pair, budget, max_nodes=17, seed=4)
     assert engine.hybrid
+
+
+def test_startup_round_costs_time_a_long_context_on_the_gpu(pair):
+    """Without a tune file a GPU's start-up times batched rounds at 64 tokens and at the long
+    context (8192, cut here to the 2048-token limit), so a long batch is priced along their slope."""
+    from ddtree.bench.tune import resolve_round_costs
+    from ddtree.budget_selector import CANDIDATES
+
+    target, draft = pair
+    llm = LLM(target, draft, device="cuda", dtype="bfloat16", use_graphs=True, max_model_len=2048, max_num_seqs=2)
+    lines: list[str] = []
+    table = resolve_round_costs(llm, list(CANDIDATES), log=lines.append)
+    assert sorted({p.context for p in table.points}) == [64, 2048 - 33]
+    assert {(p.rows, p.budget) for p in table.points} == {(r, b.label) for r in (1, 2) for b in CANDIDATES}
+    assert "contexts 64, 2015, in" in lines[-1]
