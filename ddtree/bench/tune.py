@@ -468,16 +468,13 @@ def resolve_context_budgets(llm, draft_dir: str | Path | None, log: Callable[[st
     path = tune_file_path(draft_dir if draft_dir is not None else llm.draft_path)
     if llm.drafter is None:
         return {}
-    picks: dict[str, TreeShape] = {}
     if path.is_file():
         record, reason = _matching_record(llm, path)
         picks = context_picks(record) if reason is None else {}
         if picks:
             log("tree budget auto by context (a cap on the temperature bucket's pick): " + _picks_line(picks))
             return picks
-    if seconds_per_context > 0:
-        picks = calibrate_context_caps(llm, seconds_per_context, log)
-    return picks
+    return calibrate_context_caps(llm, seconds_per_context, log) if seconds_per_context > 0 else {}
 
 
 def calibrate_context_caps(llm, seconds_per_context: float, log: Callable[[str], None] = print
