@@ -162,3 +162,29 @@ def test_pipe_events_times_a_round_that_round_trips(tmp_path):
     result = json.loads(out.read_text())
     assert result["rows"] == 3 and result["bytes"] > 0
     assert result["pickle_us"] > 0 and result["unpickle_us"] > 0
+
+
+def test_startup_time_times_the_servers_own_load_step(tmp_path):
+    """benchmarks/startup_time.py on the demo pair: each mode runs serve's load step with serve's
+    flags (the batch mode measures its round costs, which its log says), and a tune file beside
+    the drafter is refused rather than timed."""
+    import shutil
+
+    out = tmp_path / "startup.json"
+    draft = tmp_path / "drafter"
+    shutil.copytree(ROOT / "models" / "demo-drafter", draft)
+    cmd = [sys.executable, "-m", "benchmarks.startup_time", str(out), "--target", str(ROOT / "models" / "demo-target"),
+           "--draft", str(draft), "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+           "--modes", "fixed,batch", "--max-num-seqs", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fixed", "batch"]
+    assert rows["fixed"]["budget_mode"] == "fixed" and rows["fixed"]["default_budget"] == "16"
+    assert rows["batch"]["budget_mode"] == "adaptive" and rows["batch"]["flags"] == ["--max-num-seqs", "2"]
+    assert any("measured round costs for 1..2 rows" in line for line in rows["batch"]["log"])
+    assert all(row["seconds"] > 0 for row in rows.values())
+
+    (draft / "ddtree_tune.json").write_text("{}")
+    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=quiet_env())
+    assert refused.returncode == 2 and "without a tune file" in refused.stderr

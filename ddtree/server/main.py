@@ -143,12 +143,14 @@ def _load(args: argparse.Namespace, budget, warmup: bool = False, max_tree_budge
         from ddtree.temperature_buckets import GREEDY
 
         log.info("tree budget 'auto': measuring budgets for this machine")
+        start = time.perf_counter()
         llm.auto_budgets = resolve_auto_budgets(llm, llm.draft_path, log=log.info)
         llm.auto_context_budgets = resolve_context_budgets(llm, llm.draft_path, log=log.info,
                                                            seconds_per_context=STARTUP_CONTEXT_SECONDS)
         llm.default_budget = llm.auto_budgets[GREEDY.name]
-        log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s", llm.default_budget,
-                 ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()))
+        log.info("tree budget 'auto' chose %s (greedy), per temperature bucket: %s; in %.1f s", llm.default_budget,
+                 ", ".join(f"{name}: {budget}" for name, budget in llm.auto_budgets.items()),
+                 time.perf_counter() - start)
     if budget is None and llm.drafter is not None:
         from ddtree.budget_selector import CANDIDATES, OnlineBudgetSelector
 
