@@ -7,7 +7,9 @@ verify's few rows the projections run 4-9 us above their weights' copy time (ben
 (tiles, split-K); on an H100 at Qwen3-8B's shapes one of its others beat its first by up to 4 us
 (`benchmarks/blaslt_algos.py`). `linear` times them the first time it meets a shape (outside a
 CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; where nothing beat
-it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: not yet timed in whole rounds. Every
+it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: in whole rounds over 32k tokens on one
+H100 lease it took 0.21 ms off a 64 round and nothing off a 256 one (benchmarks/README.md,
+"cuBLASLt's other kernels for the projections"); not yet timed on the H200. Every
 bias-free projection of the targets and the drafter comes through `linear`; inside a
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
 `ddtree::blaslt_linear`, which the compiled code calls as it runs.
