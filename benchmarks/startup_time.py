@@ -45,15 +45,18 @@ class _Lines(logging.Handler):
         self.lines.append(f"{record.name}: {record.getMessage()}")
 
 
+def mode_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    """The flags that make this mode, beside the pair's own."""
+    return MODES[mode] + (["--max-num-seqs", str(args.max_num_seqs)] if mode == "batch" else [])
+
+
 def serve_args(args: argparse.Namespace, mode: str) -> argparse.Namespace:
     """The Namespace `ddtree serve` would parse for this mode."""
     from ddtree.cli import build_parser
 
-    argv = ["serve", "--target", str(args.target), "--draft", str(args.draft), "--device", args.device,
-            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), *MODES[mode]]
-    if mode == "batch":
-        argv += ["--max-num-seqs", str(args.max_num_seqs)]
-    return build_parser().parse_args(argv)
+    return build_parser().parse_args(["serve", "--target", str(args.target), "--draft", str(args.draft),
+                                      "--device", args.device, "--dtype", args.dtype,
+                                      "--max-model-len", str(args.max_model_len), *mode_flags(args, mode)])
 
 
 def time_mode(args: argparse.Namespace, mode: str) -> dict:
@@ -72,8 +75,7 @@ def time_mode(args: argparse.Namespace, mode: str) -> dict:
         seconds = time.perf_counter() - start
     finally:
         root.removeHandler(handler)
-    row = {"mode": mode, "flags": MODES[mode] + (["--max-num-seqs", str(args.max_num_seqs)] if mode == "batch" else []),
-           "seconds": round(seconds, 2), "budget_mode": how, "default_budget": str(llm.default_budget),
+    row = {"mode": mode, "flags": mode_flags(args, mode), "seconds": round(seconds, 2), "budget_mode": how, "default_budget": str(llm.default_budget),
            "log": handler.lines}
     if getattr(llm, "auto_context_budgets", None):
         row["context_budgets"] = {name: str(b) for name, b in llm.auto_context_budgets.items()}
