@@ -2,7 +2,7 @@
 tree attention's Triton kernel and cuDNN's chunked prefix, on an sm_90 GPU:
 
     python benchmarks/prefix_attention_sm90.py [--heads 32,8,128] [--context 32768] [--tokens 17,65,257]
-        [--repeats R] [--splits 8,12,16] [--output FILE.json]
+        [--repeats R] [--splits 8,12,16] [--whole-only] [--output FILE.json]
 
 For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
 - `ws_<tiling>_sS`: the Gluon kernel over the whole prefix (keys [0, context)) in S key splits
@@ -52,6 +52,10 @@ GLUON_WHOLE = (("gluon_whole_us", True, {}), ("gluon_whole_triton_block_us", Fal
                ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}))
 
 
+def report(row: dict) -> None:
+    print(json.dumps({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
@@ -59,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="17,65,257")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the Gluon tilings (their median is kept)")
     ap.add_argument("--splits", default=None, help="more key split counts to time the default tiling at, e.g. 8,12,16")
+    ap.add_argument("--whole-only", action="store_true", help="only the whole attention's calls, no tilings or cuDNN")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     extra_splits = [int(x) for x in args.splits.split(",")] if args.splits else []
@@ -105,6 +110,10 @@ def main() -> None:
             finally:
                 attention_libraries.GLUON_PREFIX, attention_libraries.GLUON_MIN_ROWS = switch, minimum
                 attention_libraries.GLUON_BLOCK, sm90.tiling = fold, picked
+            if args.whole_only:
+                rows_out.append(row)
+                report(row)
+                continue
             chunks = cudnn_splits(rows, hkv, d, context, sms)
             try:
                 row["cudnn_chunks_us"] = call_us(lambda: cudnn_prefix(q, k, v, context, chunks, scale))
@@ -143,10 +152,10 @@ def main() -> None:
                 if args.repeats > 1:
                     row[key.replace("_us", "_all_us")] = values
             rows_out.append(row)
-            print(json.dumps({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}),
-                  flush=True)
+            report(row)
     result = {"benchmark": "prefix_attention_sm90", "command": "python benchmarks/prefix_attention_sm90.py " + " ".join(
-                  f"--{key} {val}" for key, val in vars(args).items() if val is not None),
+                  f"--{key.replace('_', '-')}" + ("" if val is True else f" {val}")
+                  for key, val in vars(args).items() if val is not None and val is not False),
               "heads": [hq, hkv, d], "gpu": torch.cuda.get_device_name(), "ceilings": ceilings,
               "git_revision": git_revision(), "rows": rows_out}
     results_path(args.output, "prefix_attention_sm90").write_text(json.dumps(result, indent=2))

@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -102,12 +103,14 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    from ddtree.bench.machine import git_revision
     from ddtree.bench.tune import tune_file_path
 
     if tune_file_path(args.draft).exists():
         p.error(f"{tune_file_path(args.draft)} exists: this measures the start-up without a tune file")
     rows = [time_mode(args, mode) for mode in modes]
-    record = {"benchmark": "startup_time", "target": str(args.target), "draft": str(args.draft),
+    record = {"benchmark": "startup_time", "command": "python -m benchmarks.startup_time " + " ".join(sys.argv[1:]),
+              "git_revision": git_revision(), "target": str(args.target), "draft": str(args.draft),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
               "dtype": args.dtype, "max_model_len": args.max_model_len, "rows": rows}
     args.output.write_text(json.dumps(record, indent=1))

@@ -98,3 +98,39 @@ def test_server_auto_serves_each_temperature_with_its_bucket_pick(demo_pair, llm
     assert named["ddtree"]["tree_budget"] == "chain"  # a request's own tree_budget still wins
     assert metric(values, "ddtree:auto_tree_budget", temperature_bucket="t>0.8", tree_budget="ar") == 1
     assert metric(values, "ddtree:auto_tree_budget", temperature_bucket="greedy", tree_budget="8") == 1
+
+
+def test_the_sampled_buckets_race_what_greedy_measured_inside_the_bound(llm, tmp_path, monkeypatch):
+    """Without a tune file, `--tree-budget auto` gives the sampled buckets the budgets the greedy
+    calibration measured (not those it ran out of time for) with their warm-ups inside the time
+    bound; a greedy calibration that measured one budget leaves the sampled buckets unmeasured."""
+    from ddtree.bench import tune
+
+    calls = []
+
+    def fake_calibrate(llm, time_limit_s, log=print, budgets=None, temperature=0.0, prompt_tokens=None,
+                       untimed_warmups=False):
+        calls.append((temperature, budgets, untimed_warmups, time_limit_s))
+        speeds = {"ar": 10.0, "chain": 30.0, "15": 20.0} if temperature == 0 else {"ar": 10.0, "chain": 25.0}
+        pick = CHAIN if temperature == 0 else max((b for b in budgets), key=lambda b: speeds.get(str(b), 0))
+        return pick, {"seconds": 1.0, "median_tokens_per_second": speeds, "skipped": {"31": "out of time"},
+                      "mean_acceptance_length": {},
+                      "recommendation": {"concurrency": 1, "tree_budget": pick, "median_tokens_per_second": speeds[str(pick)],
+                                         "margin_over_chain": 1.0, "margin_over_ar": 3.0}}
+
+    monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    picks = resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=60)
+    assert picks == dict.fromkeys(BUCKET_NAMES, CHAIN)
+    greedy, *sampled = calls
+    assert greedy[0] == 0 and greedy[1] is None and greedy[3] == 30
+    assert len(sampled) == len(BUCKET_NAMES) - 1
+    assert all(budgets == [AR, CHAIN, TreeShape.best(15)] and not untimed and seconds == 10
+               for _, budgets, untimed, seconds in sampled)
+    calls.clear()
+    monkeypatch.setattr(tune, "calibrate", lambda llm, time_limit_s, log=print, **kw: calls.append(kw) or (
+        AR, {"seconds": 1.0, "median_tokens_per_second": {"ar": 10.0}, "skipped": {},
+             "recommendation": {"concurrency": 1, "tree_budget": AR, "median_tokens_per_second": 10.0,
+                                "margin_over_chain": 1.0,
+                                "margin_over_ar": 1.0}}))
+    assert resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=60) == dict.fromkeys(BUCKET_NAMES, AR)
+    assert len(calls) == 1

@@ -173,13 +173,14 @@ def sweep_bucket_entry(report: dict, temperature: float) -> dict | None:
 
 
 def measure_buckets(llm, seconds_per_bucket: float, budgets: list[TreeShape] | None = None,
-                    skip: tuple[str, ...] = (), log: Callable[[str], None] = print) -> dict[str, dict]:
+                    skip: tuple[str, ...] = (), log: Callable[[str], None] = print,
+                    untimed_warmups: bool = True) -> dict[str, dict]:
     """Calibrate each bucket (at its `measured_at` temperature) for `seconds_per_bucket`; buckets
-    named in `skip` (the one the sweep measured) are left out."""
+    named in `skip` (the one the sweep measured) are left out. untimed_warmups: `calibrate`'s."""
     entries = {}
     for bucket in (b for b in BUCKETS if b.name not in skip):
         budget, summary = calibrate(llm, seconds_per_bucket, log, budgets, temperature=bucket.measured_at,
-                                    untimed_warmups=True)
+                                    untimed_warmups=untimed_warmups)
         if budget is None:
             continue
         entries[bucket.name] = {"temperature": bucket.measured_at, "tree_budget": budget, "source": "calibration",
@@ -361,7 +362,12 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
                          time_limit_s: float = 60.0, concurrency: int = 1) -> dict[str, TreeShape]:
     """The tree budget per temperature bucket for `--tree-budget auto`: from
     `<draft_dir>/ddtree_tune.json` when it was measured on this device for this model pair, else from
-    a calibration of at most `time_limit_s` (half for greedy, half shared by the sampled buckets)."""
+    a calibration of at most `time_limit_s` (half for greedy, half shared by the sampled buckets;
+    a request in progress at a deadline, its graph capture included, runs to the end of its round).
+    The sampled buckets race the budgets the greedy calibration measured, whose graphs it captured:
+    racing every budget, each bucket spent its share warming up the trees greedy traffic had no time
+    for (on an H100 at Qwen3-8B shape a 511- or 1023-node tree's first capture took 23-29 s, and
+    the start-up 149 s; benchmarks/results/startup_time_h100_qwen3_8b_agreeing.json)."""
     if llm.drafter is None:
         log("tree budget auto: no drafter loaded, using 'ar'")
         return dict.fromkeys(BUCKET_NAMES, AR)
@@ -390,7 +396,9 @@ def resolve_auto_budgets(llm, draft_dir: str | Path | None, log: Callable[[str],
         budget = llm.default_budget
     else:
         log("tree budget auto: " + recommendation_line(summary["recommendation"]))
-    sampled = measure_buckets(llm, time_limit_s / 2 / len(SAMPLED_BUCKETS), skip=(GREEDY.name,), log=log)
+    raced = [b for b in CALIBRATION_BUDGETS if str(b) in summary["median_tokens_per_second"]]
+    sampled = measure_buckets(llm, time_limit_s / 2 / len(SAMPLED_BUCKETS), raced, skip=(GREEDY.name,), log=log,
+                              untimed_warmups=False) if len(raced) > 1 else {}
     picks = {GREEDY.name: budget, **{name: entry["tree_budget"] for name, entry in sampled.items()}}
     picks = {name: picks.get(name, budget) for name in BUCKET_NAMES}
     log("tree budget auto by temperature: " + _picks_line(picks))
