@@ -5,11 +5,21 @@ offers agrees with PyTorch's product, and a chosen kernel runs the same in eager
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ddtree.kernels import blaslt
+
+
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch, tmp_path):
+    """Each test with a cache file of its own, read afresh."""
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(blaslt, "_SAVED", None)
+    monkeypatch.setattr(blaslt, "_CACHE_FAILED", [])
 
 
 @pytest.fixture
@@ -77,6 +87,31 @@ def test_a_chosen_kernel_runs_the_same_in_a_graph(enabled):
 
 
 @needs_gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_saved_choice_restores_the_same_kernel_in_a_new_process(enabled, monkeypatch, accumulate):
+    """A choice timed on this GPU, saved, then restored from the file in a fresh process (the
+    in-memory choices and the file's entries dropped) without timing: the same kernel, the same
+    output bit for bit."""
+    torch.manual_seed(1)
+    m, n, k = 65, 4096, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    first = enabled.linear(x, w, out=h.clone() if accumulate else None, accumulate=accumulate)
+    (key, choice), = enabled._CHOSEN.items()
+    assert enabled.cache_path().exists()
+    monkeypatch.setattr(enabled, "_CHOSEN", {})
+    monkeypatch.setattr(enabled, "_SAVED", None)
+    monkeypatch.setattr(enabled, "graph_call_us", lambda fn, **kw: pytest.fail("a saved choice was timed again"))
+    again = enabled.linear(x, w, out=h.clone() if accumulate else None, accumulate=accumulate)
+    restored = enabled._CHOSEN[key]
+    assert (choice is None) == (restored is None)
+    if choice is not None:
+        assert list(restored.candidate.algo.data) == list(choice.candidate.algo.data)
+    assert torch.equal(again, first)
+
+
+@needs_gpu
 def test_a_shape_first_met_in_a_capture_keeps_pytorchs_call(enabled):
     x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
@@ -99,7 +134,13 @@ class _FakePlan:
         self.accumulate = accumulate
 
     def candidates(self):
-        return [blaslt.Candidate(blaslt._Algo(), 0, 1.0, {"index": i}) for i in range(len(self.scales))]
+        return [blaslt.Candidate(self.algo(i), 0, 1.0, {"index": i}) for i in range(len(self.scales))]
+
+    @staticmethod
+    def algo(index):
+        algo = blaslt._Algo()
+        algo.data[0] = index
+        return algo
 
     def __call__(self, x, w, y, cand):
         product = (x @ w.T) * self.scales[cand.config["index"]]
@@ -162,3 +203,94 @@ def test_training_keeps_pytorchs_call(enabled, monkeypatch):
     x, w = torch.randn(3, 16), torch.randn(8, 16, requires_grad=True)
     enabled.linear(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.sum(0).expand(8, 16))
+
+
+KEY = (3, 8, 16, torch.float32, torch.float32, False, 0)
+
+
+def _cached_setup(monkeypatch, times):
+    """`_choice_for` on the CPU: a fake cuBLASLt build name, the fake plan (a restored algorithm's
+    first word its candidate's index) and timings."""
+    queue = _fake_timing(monkeypatch, times)
+    monkeypatch.setattr(blaslt, "_build", lambda device: "FakeGPU|cublasLt 1")
+    monkeypatch.setattr(blaslt, "_describe", lambda algo: {"index": int(algo.data[0])})
+    return queue
+
+
+def test_a_choice_is_saved_and_restored_at_the_next_start(monkeypatch):
+    """The first start times the shape and writes its choice; a fresh process (the file read
+    again) restores it without timing; the file names the GPU, the cuBLASLt build and the shape."""
+    queue = _cached_setup(monkeypatch, [10.0, 9.5, 8.0, 8.5])
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    first = blaslt._choice_for(KEY, x, w, None, False, torch.float32)
+    assert queue == [] and first.us == 8.0
+    record = json.loads(blaslt.cache_path().read_text())
+    name = "FakeGPU|cublasLt 1|3x8x16|float32->float32|="
+    assert record["format"] == blaslt.CACHE_FORMAT and set(record["choices"]) == {name}
+    assert record["choices"][name]["us"] == 8.0 and len(record["choices"][name]["algo"]) == 8
+    monkeypatch.setattr(blaslt, "_SAVED", None)  # a new process
+    monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: pytest.fail("a saved choice was timed again"))
+    again = blaslt._choice_for(KEY, x, w, None, False, torch.float32)
+    assert (again.us, again.torch_us) == (8.0, 10.0) and list(again.candidate.algo.data) == list(first.candidate.algo.data)
+
+
+def test_pytorchs_call_kept_is_saved_too(monkeypatch):
+    _cached_setup(monkeypatch, [10.0, 9.8, 9.9, 9.9])
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert blaslt._choice_for(KEY, x, w, None, False, torch.float32) is None
+    monkeypatch.setattr(blaslt, "_SAVED", None)
+    monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: pytest.fail("timed again"))
+    assert blaslt._choice_for(KEY, x, w, None, False, torch.float32) is None
+    other = (KEY[0] + 1,) + KEY[1:]  # another shape is not in the file
+    with pytest.raises(pytest.fail.Exception):
+        blaslt._choice_for(other, torch.randn(4, 16), w, None, False, torch.float32)
+
+
+def test_a_saved_kernel_that_disagrees_is_timed_again(monkeypatch):
+    name = "FakeGPU|cublasLt 1|3x8x16|float32->float32|="
+    blaslt.cache_path().parent.mkdir(parents=True)
+    blaslt.cache_path().write_text(json.dumps({"format": blaslt.CACHE_FORMAT, "choices": {
+        name: {"algo": [2] + [0] * 7, "workspace": 0, "us": 1.0, "torch_us": 10.0},  # the fake's 1.5x kernel
+        "OtherGPU|cublasLt 1|3x8x16|float32->float32|=": None}}))
+    queue = _cached_setup(monkeypatch, [10.0, 9.5, 8.0, 8.5])
+    choice = blaslt._choice_for(KEY, torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32)
+    assert queue == [] and choice.us == 8.0
+    choices = json.loads(blaslt.cache_path().read_text())["choices"]
+    assert choices[name]["us"] == 8.0 and "OtherGPU|cublasLt 1|3x8x16|float32->float32|=" in choices
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"format": "something else", "choices": {"a": 1}})])
+def test_an_unreadable_or_foreign_cache_is_timed_over(monkeypatch, content, caplog):
+    blaslt.cache_path().parent.mkdir(parents=True)
+    blaslt.cache_path().write_text(content)
+    queue = _cached_setup(monkeypatch, [10.0, 9.5, 8.0, 8.5])
+    assert blaslt._choice_for(KEY, torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32).us == 8.0
+    assert queue == []
+    assert json.loads(blaslt.cache_path().read_text())["format"] == blaslt.CACHE_FORMAT
+    assert ("could not read" in caplog.text) == (content == "not json")
+
+
+def test_a_cache_that_cannot_be_written_is_logged_once(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(blocker / "below"))  # a directory under a file
+    _cached_setup(monkeypatch, [10.0, 9.5, 8.0, 8.5, 10.0, 9.5, 8.0, 8.5])
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="ddtree.blaslt"):
+        assert blaslt._choice_for(KEY, x, w, None, False, torch.float32).us == 8.0
+        other = (4,) + KEY[1:]
+        assert blaslt._choice_for(other, torch.randn(4, 16), w, None, False, torch.float32).us == 8.0
+    assert sum("could not write" in r.message for r in caplog.records) == 1
+
+
+def test_no_room_to_time_is_not_saved(monkeypatch):
+    """A shape the GPU had no memory to time keeps PyTorch's call this time, and is not written
+    down as decided: the next start times it."""
+    _cached_setup(monkeypatch, [])
+
+    def no_room(fn, **kw):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(blaslt, "graph_call_us", no_room)
+    assert blaslt._choice_for(KEY, torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
+    assert not blaslt.cache_path().exists()

@@ -16,6 +16,14 @@ bias-free projection of the targets and the drafter comes through `linear`; insi
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
 `ddtree::blaslt_linear`, which the compiled code calls as it runs.
 
+Choices are kept on disk (`cache_path`: $DDTREE_CACHE_DIR, default ~/.cache/ddtree, file
+blaslt_choices.json), keyed by the GPU's name, the cuBLASLt build and the shape: cuBLASLt's
+algorithm description may be saved and restored for the same library version, so a later start
+restores each shape's choice instead of timing it (a batching server's start-up meets a hundred
+shapes, about a minute of timings on an H100), after one call checked against PyTorch's output; a
+saved kernel that fails or disagrees is timed again. A cache that cannot be read or written is
+logged once and the choices are timed as without it.
+
 The call is the one PyTorch makes for `F.linear`: column-major D [N, M] = op(A) @ B with A = W
 (K x N, ld K, transposed), B = x (K x M, ld K), bf16 / fp16 in, the output in that dtype or
 float32, float32 accumulation and scale; `accumulate` sets beta = 1 with C = D = y. Host scalars,
@@ -28,10 +36,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import json
 import logging
 import math
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +107,7 @@ def _lib() -> ctypes.CDLL:
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
     return lib
 
 
@@ -230,16 +242,147 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
+CACHE_FORMAT = "ddtree-blaslt/1"
+
+
+def cache_path() -> Path:
+    """The file of saved choices: $DDTREE_CACHE_DIR/blaslt_choices.json, by default under ~/.cache/ddtree."""
+    return Path(os.environ.get("DDTREE_CACHE_DIR") or Path.home() / ".cache" / "ddtree") / "blaslt_choices.json"
+
+
+def _build(device: int) -> str:
+    """The GPU and cuBLASLt build a saved choice holds for."""
+    return f"{torch.cuda.get_device_name(device)}|cublasLt {_lib().cublasLtGetVersion()}"
+
+
+def cache_key(key: tuple, build: str) -> str:
+    """A `_CHOSEN` key as the cache file's: 'GPU|cublasLt V|m x n x k|in->out|= or +='."""
+    m, n, k, dtype, out_dtype, accumulate, _ = key
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    return f"{build}|{m}x{n}x{k}|{name(dtype)}->{name(out_dtype)}|{'+=' if accumulate else '='}"
+
+
+_SAVED: dict[str, dict | None] | None = None  # the file's entries, read once a process
+_CACHE_FAILED: list[str] = []  # what failed with the cache ("read", "write", ...), each logged once
+
+
+def _cache_failed(what: str, exc: Exception) -> None:
+    if what not in _CACHE_FAILED:
+        log.warning("cuBLASLt choices: could not %s %s (%s); %s", what, cache_path(), exc,
+                    "it is written anew" if what == "read" else "they are timed at each start")
+    _CACHE_FAILED.append(what)
+
+
+def _saved() -> dict[str, dict | None]:
+    """Saved choices by `cache_key`: {"algo": [8 ints], "workspace", "us", "torch_us"}, or None
+    where PyTorch's call was kept; empty where the file is missing, unreadable or of another format."""
+    global _SAVED
+    if _SAVED is None:
+        _SAVED = {}
+        path = cache_path()
+        if path.exists():
+            try:
+                record = json.loads(path.read_text())
+                if record.get("format") == CACHE_FORMAT and isinstance(record.get("choices"), dict):
+                    _SAVED = record["choices"]
+            except (OSError, ValueError, AttributeError) as exc:
+                _cache_failed("read", exc)
+    return _SAVED
+
+
+def _save(name: str, choice: _Choice | None) -> None:
+    """Records a shape's choice in the file (re-read first, so that processes sharing it keep each
+    other's entries; written whole to a temporary file, then renamed over it)."""
+    entry = None if choice is None else {"algo": list(choice.candidate.algo.data),
+                                         "workspace": choice.candidate.workspace,
+                                         "us": round(choice.us, 2), "torch_us": round(choice.torch_us, 2)}
+    _saved()[name] = entry
+    if "write" in _CACHE_FAILED:
+        return
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            on_disk = json.loads(path.read_text()).get("choices", {}) if path.exists() else {}
+        except (ValueError, AttributeError):
+            on_disk = {}
+        record = {"format": CACHE_FORMAT, "choices": {**on_disk, **_saved()}}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(record, tmp, indent=0, sort_keys=True)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        _cache_failed("write", exc)
+
+
+def _agrees(plan, candidate: Candidate, x, w, want: torch.Tensor, out_dtype: torch.dtype) -> tuple[float, bool]:
+    """(largest difference from PyTorch's output `want` over its largest value, whether the
+    candidate agrees: below 1e-2 and finite), from one call into zeros of `out_dtype`."""
+    got = plan(x, w, torch.zeros(want.shape, dtype=out_dtype, device=x.device), candidate).float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    return err, err < 1e-2 and bool(torch.isfinite(got).all())
+
+
+def _restore(x, w, accumulate, out_dtype, entry: dict) -> _Choice | None:
+    """A saved kernel for this shape, if it runs and agrees with PyTorch's output here; else None."""
+    m, k = x.shape
+    n = w.shape[0]
+    algo = _Algo()
+    try:
+        algo.data[:] = entry["algo"]
+        plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
+        candidate = Candidate(algo, int(entry["workspace"]), 0.0, _describe(algo))
+        want = _torch_linear(x, w, None, False, out_dtype).float()
+        if not _agrees(plan, candidate, x.clone(), w, want, out_dtype)[1]:
+            return None
+    except (RuntimeError, KeyError, TypeError, ValueError):
+        return None
+    return _Choice(plan, candidate, float(entry.get("torch_us", 0.0)), float(entry.get("us", 0.0)))
+
+
+def _choice_for(key: tuple, x, w, out, accumulate, out_dtype) -> _Choice | None:
+    """A shape's choice: the saved one where the file has it for this GPU and cuBLASLt build (and
+    its kernel still agrees), else `_choose`'s, then saved."""
+    try:
+        name = cache_key(key, _build(key[-1]))
+    except (OSError, AttributeError, RuntimeError) as exc:  # no cuBLASLt to name: time as without a cache
+        _cache_failed("name the build for", exc)
+        return _choose(x, w, out, accumulate, out_dtype)
+    saved = _saved()
+    if name in saved:
+        entry = saved[name]
+        if entry is None:
+            return None
+        restored = _restore(x, w, accumulate, out_dtype, entry)
+        if restored is not None:
+            return restored
+        log.info("projection %s: the saved kernel no longer agrees or runs; timing again", name)
+    try:
+        choice = _choose_timed(x, w, out, accumulate, out_dtype)
+    except torch.OutOfMemoryError:  # this start keeps PyTorch's call; a later one may time it
+        return _no_room(x, w)
+    _save(name, choice)
+    return choice
+
+
+def _no_room(x, w) -> None:
+    log.info("no memory to time cuBLASLt's kernels for [%d, %d] x [%d, %d]^T; PyTorch's call kept", *x.shape,
+             w.shape[0], w.shape[1])
+
+
 def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
     """The fastest candidate of `time_candidates` that agrees with PyTorch's output and beats its
     time by 3% and 0.3 us, else None (PyTorch's call), as also where the GPU has no room to time."""
+    try:
+        return _choose_timed(x, w, out, accumulate, out_dtype)
+    except torch.OutOfMemoryError:
+        return _no_room(x, w)
+
+
+def _choose_timed(x, w, out, accumulate, out_dtype) -> _Choice | None:
+    """`_choose`, raising torch.OutOfMemoryError where the GPU has no room to time."""
     m, k = x.shape
     n = w.shape[0]
-    try:
-        plan, torch_us, timed = time_candidates(x, w, out, accumulate, out_dtype)
-    except torch.OutOfMemoryError:
-        log.info("no memory to time cuBLASLt's kernels for [%d, %d] x [%d, %d]^T; PyTorch's call kept", m, k, n, k)
-        return None
+    plan, torch_us, timed = time_candidates(x, w, out, accumulate, out_dtype)
     best = min((t for t in timed if t.us is not None), key=lambda t: t.us, default=None)
     if best is None or best.us > min(0.97 * torch_us, torch_us - 0.3):
         log.info("projection [%d, %d] x [%d, %d]^T%s: PyTorch's call (%.1f us) kept", m, k, n, k,
@@ -279,9 +422,7 @@ def time_candidates(x, w, out, accumulate: bool, out_dtype: torch.dtype, copies:
     plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
     timed = []
     for cand in plan.candidates():
-        got = plan(x, w, torch.zeros_like(scratch), cand).float()
-        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-        agrees = err < 1e-2 and bool(torch.isfinite(got).all())
+        err, agrees = _agrees(plan, cand, x, w, want, out_dtype)
         us = graph_call_us(lambda i: plan(x, weights[i % copies], scratch, cand), **timing) if agrees else None
         timed.append(Timed(cand, err, us))
     return plan, torch_us, timed
@@ -316,7 +457,8 @@ def _linear(x, w, out, accumulate: bool, out_dtype: torch.dtype) -> torch.Tensor
         return _torch_linear(x, w, out, accumulate, out_dtype)
     key = (x.shape[0], w.shape[0], x.shape[1], x.dtype, out_dtype, accumulate, x.device.index)
     if key not in _CHOSEN:
-        _CHOSEN[key] = None if torch.cuda.is_current_stream_capturing() else _choose(x, w, out, accumulate, out_dtype)
+        capturing = torch.cuda.is_current_stream_capturing()
+        _CHOSEN[key] = None if capturing else _choice_for(key, x, w, out, accumulate, out_dtype)
     choice = _CHOSEN[key]
     if choice is None:
         return _torch_linear(x, w, out, accumulate, out_dtype)
