@@ -24,8 +24,9 @@ interpreter to run in reasonable time.
 
 Each launch's line also gives its registers a thread and local (spilled) bytes, from the cubin
 (`cuobjdump -res-usage`, shipped with Triton): with num_warps they bound how many programs share
-an SM. Compiling is not running: the numbers are the GPU's to find. Exit status 1 if a launch
-does not compile.
+an SM; and the seconds its compile took on this machine (Triton's cache off, so every launch is
+compiled), what a GPU machine's first use of that launch spends before it runs. Compiling is not
+running: the numbers are the GPU's to find. Exit status 1 if a launch does not compile.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +172,10 @@ def compile_launches(path: Path, arch: int) -> int:
         attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in launch["aligned"]}
         name = f"{launch['module']}.{launch['kernel']} {constexprs} {launch['options']}"
         try:
+            start = time.perf_counter()
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                                       target=target, options=launch["options"])
+            seconds = time.perf_counter() - start
         except Exception as error:  # report every launch that fails, not only the first
             failed += 1
             print(f"FAILED {name}\n  {type(error).__name__}: {str(error).strip()[-800:]}")
@@ -187,7 +191,7 @@ def compile_launches(path: Path, arch: int) -> int:
             if usage and limit is not None:
                 fits = programs_per_sm(usage["registers"], shared, launch["options"].get("num_warps", 4), limit)
                 detail += f" ({fits} an SM)"
-            print(f"ok     {name} shared {shared}{detail}")
+            print(f"ok     {name} shared {shared}{detail} compiled in {seconds:.1f} s")
     if over:
         print(f"{over} launch(es) over sm_{arch}'s shared memory: a GPU would refuse them")
     return failed
@@ -210,6 +214,7 @@ def main() -> None:
         if not record.exists():
             sys.exit(f"the tests recorded no launches (pytest exit status {tests.returncode})")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_ALWAYS_COMPILE"] = "1"  # every launch compiled, so that its seconds are its compile's
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         compiled = subprocess.run([sys.executable, __file__, "--compile", str(record), "--arch", str(args.arch)],
                                   cwd=ROOT, env=env)

@@ -7,7 +7,10 @@ Not tests: with --record-only the launches are recorded, not run (the interprete
 minutes at these sizes), so nothing here checks a result; `tests/` does that at small shapes.
 The shapes: Qwen3.6-27B's Gated DeltaNet heads (Hk 16, Hv 48, D 128) and attention heads (24 / 4 /
 256), Qwen3-8B's attention heads (32 / 8 / 128); trees of 17, 65 and 257 nodes; 8192 cached keys
-(the attention's tiling changes from 4096 on), split for an H200's 132 SMs.
+(the attention's tiling changes from 4096 on), split for an H200's 132 SMs; and the tree build
+(`tree_build.TreeBuildPlan`) at Qwen3's vocabulary and 15 depths for every budget `--tree-budget
+auto` may measure that its kernels serve (15 to 255; larger trees are built with PyTorch), whose
+compile seconds are most of a large tree's first capture.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ddtree.kernels import attention_libraries, attention_plan, gdn_tree, tree_attention
+from ddtree.kernels import attention_libraries, attention_plan, gdn_tree, tree_attention, tree_build
 from ddtree.tree import build_tree
 
 CONTEXT = 8192
@@ -77,3 +80,15 @@ def test_batched_tree_attention(n, heads, balance):
     tree_attention.batched_masked_attention(q, cache[0], cache[1], block, d ** -0.5,
                                             torch.full((batch,), CONTEXT), torch.arange(batch) * row_slots,
                                             row_slots, config=config)
+
+
+@pytest.mark.parametrize("budget", [15, 31, 63, 127, 255, 511, 1023])
+def test_tree_build_qwen3_vocabulary(budget):
+    depths, vocab = 15, 151936
+    plan = tree_build.TreeBuildPlan(budget, depths, vocab, "cpu")
+    if not plan.supported:  # the engine builds this tree with PyTorch (its rank blocks would pass MAX_SORT)
+        pytest.skip(f"no tree build kernels at budget {budget} over {vocab} tokens")
+    n = budget + 1
+    plan.build(torch.randn(depths, vocab), torch.tensor(1), torch.empty(n, dtype=torch.long),
+               torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool),
+               torch.empty(n, n, dtype=torch.bool))
