@@ -76,8 +76,8 @@ def time_mode(args: argparse.Namespace, mode: str) -> dict:
         seconds = time.perf_counter() - start
     finally:
         root.removeHandler(handler)
-    row = {"mode": mode, "flags": mode_flags(args, mode), "seconds": round(seconds, 2), "budget_mode": how, "default_budget": str(llm.default_budget),
-           "log": handler.lines}
+    row = {"mode": mode, "flags": mode_flags(args, mode), "seconds": round(seconds, 2), "budget_mode": how,
+           "default_budget": str(llm.default_budget), "log": handler.lines}
     if getattr(llm, "auto_context_budgets", None):
         row["context_budgets"] = {name: str(b) for name, b in llm.auto_context_budgets.items()}
     del llm

@@ -115,7 +115,8 @@ def test_the_sampled_buckets_race_what_greedy_measured_inside_the_bound(llm, tmp
         pick = CHAIN if temperature == 0 else max((b for b in budgets), key=lambda b: speeds.get(str(b), 0))
         return pick, {"seconds": 1.0, "median_tokens_per_second": speeds, "skipped": {"31": "out of time"},
                       "mean_acceptance_length": {},
-                      "recommendation": {"concurrency": 1, "tree_budget": pick, "median_tokens_per_second": speeds[str(pick)],
+                      "recommendation": {"concurrency": 1, "tree_budget": pick,
+                                         "median_tokens_per_second": speeds[str(pick)],
                                          "margin_over_chain": 1.0, "margin_over_ar": 3.0}}
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
@@ -132,5 +133,6 @@ def test_the_sampled_buckets_race_what_greedy_measured_inside_the_bound(llm, tmp
              "recommendation": {"concurrency": 1, "tree_budget": AR, "median_tokens_per_second": 10.0,
                                 "margin_over_chain": 1.0,
                                 "margin_over_ar": 1.0}}))
-    assert resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=60) == dict.fromkeys(BUCKET_NAMES, AR)
+    picks = resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=60)
+    assert picks == dict.fromkeys(BUCKET_NAMES, AR)
     assert len(calls) == 1

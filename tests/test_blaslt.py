@@ -231,7 +231,8 @@ def test_a_choice_is_saved_and_restored_at_the_next_start(monkeypatch):
     monkeypatch.setattr(blaslt, "_SAVED", None)  # a new process
     monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: pytest.fail("a saved choice was timed again"))
     again = blaslt._choice_for(KEY, x, w, None, False, torch.float32)
-    assert (again.us, again.torch_us) == (8.0, 10.0) and list(again.candidate.algo.data) == list(first.candidate.algo.data)
+    assert (again.us, again.torch_us) == (8.0, 10.0)
+    assert list(again.candidate.algo.data) == list(first.candidate.algo.data)
 
 
 def test_pytorchs_call_kept_is_saved_too(monkeypatch):

@@ -332,7 +332,7 @@ def _restore(x, w, accumulate, out_dtype, entry: dict) -> _Choice | None:
         plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
         candidate = Candidate(algo, int(entry["workspace"]), 0.0, _describe(algo))
         want = _torch_linear(x, w, None, False, out_dtype).float()
-        if not _agrees(plan, candidate, x.clone(), w, want, out_dtype)[1]:
+        if not _agrees(plan, candidate, x, w, want, out_dtype)[1]:
             return None
     except (RuntimeError, KeyError, TypeError, ValueError):
         return None
