@@ -10,9 +10,7 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   from and a few more (`c2`/`c1`: two / one consumer warp groups a program, `n128`/`n64`: keys a
   tile, `st`: stages, `x2`: two programs an SM); `ws_default` is the one it picks for these rows
   (`ws_default_no_tail`: the same with the rows past the last whole 128-row block in a row block
-  of their own instead of the tail warp group; `ws_default_tail_warp_group` / `_tail_consumers`:
-  those rows in the tail warp group / in the consumers' shares of the tiles (`TAIL_CONSUMERS`);
-  `ws_default_no_idle_skip`: that block's second warp
+  of their own instead of the tail warp group; `ws_default_no_idle_skip`: that block's second warp
   group computing its rows past the end, as before SKIP_IDLE; `ws_default_no_pdl`: each call
   launched after the one before has ended, where by default its programs start while that one
   ends; --splits: the default at more split counts, with and without the tail);
@@ -25,7 +23,6 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   block's columns, merged in its combine launch); `gluon_whole_no_pdl`: the kernel and the combine
   launched after the launch before each has ended, not as programmatic dependent launches;
   `gluon_whole_unbalanced`: the first split taking its whole share of the prefix besides the block;
-  `gluon_whole_tail_warp_group` / `_tail_consumers`: the tail rows' two homes, as above;
   with --repeats, the gluon_whole figures too are the median of R interleaved passes;
 - `cudnn_chunks`: `attention_libraries.cudnn_prefix` over the same prefix, chunked as its opt-in path does;
 beside the floor of the prefix's products at this GPU's measured bf16 matmul rate (4 N x context x D x
@@ -52,9 +49,7 @@ from ddtree.tree import build_tree
 
 # The whole-attention rows: (key, the block in the Gluon kernel, entries over its tiling).
 GLUON_WHOLE = (("gluon_whole_us", True, {}), ("gluon_whole_triton_block_us", False, {}),
-               ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}),
-               ("gluon_whole_tail_warp_group_us", True, {"TAIL_CONSUMERS": False}),
-               ("gluon_whole_tail_consumers_us", True, {"TAIL_CONSUMERS": True}))
+               ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}))
 
 
 def report(row: dict) -> None:
@@ -137,8 +132,6 @@ def main() -> None:
                 ws_tilings["default_no_idle_skip"] = ws_tilings["default"] | {"SKIP_IDLE": False, "TAIL": False}
             if sm90.tail_rows(ws_tilings["default"], rows, d)[0]:  # the rows past whole blocks in a block of their own
                 ws_tilings["default_no_tail"] = ws_tilings["default"] | {"TAIL": False}
-                ws_tilings["default_tail_warp_group"] = ws_tilings["default"] | {"TAIL_CONSUMERS": False}
-                ws_tilings["default_tail_consumers"] = ws_tilings["default"] | {"TAIL_CONSUMERS": True}
             ws_tilings["default_no_pdl"] = ws_tilings["default"] | {"PDL": False}  # each call after the last has ended
             runs = [(label, config, sm90.splits_for(config, rows, hkv, sms, keys, d)) for label, config in ws_tilings.items()]
             runs += [(label, ws_tilings[label], splits) for splits in extra_splits

@@ -52,8 +52,6 @@ TILINGS = {"two consumers, 64-key tiles": {"CONSUMERS": 2, "BLOCK_N": 64, "STAGE
                                                      "SKIP_IDLE": False},
            "two consumers, no tail warp group": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
                                                  "TAIL": False},
-           "two consumers taking the tail": {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1,
-                                            "TAIL_CONSUMERS": True},
            "one consumer": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1},
            "one consumer, two programs an SM": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 2}}
 
@@ -179,11 +177,9 @@ def masked_reference(q, k, v, block, prefix, scale):
 @pytest.mark.parametrize("heads", HEADS, ids=["qwen3-8b", "qwen3.6-27b", "d64"])
 @pytest.mark.parametrize("n", [17, 65, 257])
 @pytest.mark.parametrize("prefix,splits", [(4133, 4), (32768, 11), (1000, 7)])
-@pytest.mark.parametrize("tail_consumers", [False, True], ids=["tail-warp-group", "tail-in-consumers"])
-def test_the_block_in_the_first_split_equals_float64(heads, n, prefix, splits, tail_consumers):
+def test_the_block_in_the_first_split_equals_float64(heads, n, prefix, splits):
     """With the tree's mask the first split also attends to the block's keys [P, P + N), each row
-    seeing those its token's mask allows; the other splits are as without it. The rows past the
-    last whole row block (65 and 257 tokens at head_dim <= 128) in either of their homes."""
+    seeing those its token's mask allows; the other splits are as without it."""
     keys = prefix + 2 * n + 300
     q, k, v = inputs(n, heads, keys, seed=n)
     gen = torch.Generator(device="cuda").manual_seed(n + 1)
@@ -191,7 +187,7 @@ def test_the_block_in_the_first_split_equals_float64(heads, n, prefix, splits, t
     scale = heads[2] ** -0.5
     max_keys = prefix + 300
     got = prefix_attention(q, k, v, torch.tensor(prefix, dtype=torch.int32, device="cuda"), max_keys, splits, scale,
-                           {"TAIL_CONSUMERS": tail_consumers}, block=block)
+                           block=block)
     check(got, reference(q, k, v, prefix, max_keys, splits, scale, block=block))
 
 
@@ -289,8 +285,7 @@ def test_a_batched_prefill_chunk_attends_alone(monkeypatch):
 
 @pytest.mark.parametrize("heads", HEADS[:2], ids=["qwen3-8b", "qwen3.6-27b"])
 @pytest.mark.parametrize("n", [65, 257])
-@pytest.mark.parametrize("tail_consumers", [False, True], ids=["tail-warp-group", "tail-in-consumers"])
-def test_a_batchs_rows_in_one_launch_equal_float64(heads, n, tail_consumers, monkeypatch):
+def test_a_batchs_rows_in_one_launch_equal_float64(heads, n, monkeypatch):
     """`batched_masked_attention`'s prefix form through the Gluon kernel, the rows a batch of one
     launch: rows of different prefix lengths and first cache slots (one short, so that its later
     splits are empty), each token seeing its row's prefix and its tree's block, equal to float64 row
@@ -299,7 +294,6 @@ def test_a_batchs_rows_in_one_launch_equal_float64(heads, n, tail_consumers, mon
     from ddtree.kernels import attention_libraries, prefix_attention_sm90, tree_attention
 
     monkeypatch.setattr(attention_libraries, "GLUON_PREFIX", True)
-    monkeypatch.setattr(prefix_attention_sm90, "TAIL_CONSUMERS", tail_consumers)
     calls = []
     kernel = prefix_attention_sm90.prefix_attention
     monkeypatch.setattr(prefix_attention_sm90, "prefix_attention",

@@ -75,9 +75,6 @@ SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of ti
 PDL = os.environ.get("DDTREE_PDL", "1") == "1"
 TAIL_256_MAX_BLOCKS = 4  # whole row blocks up to which head_dim 256 takes the tail warp group (`tail_rows`)
 TAIL_REGS_NEEDED = 56  # the tail warp group's registers (its tiles are [BLOCK_N or D, 8 or 16] float32)
-# Where the tail rows go at head_dim <= 128: the consumers' own shares (a config's "TAIL_CONSUMERS": True) or a
-# tail warp group of their own.
-TAIL_CONSUMERS = os.environ.get("DDTREE_TAIL_CONSUMERS", "0") == "1"
 
 
 @gluon.jit
@@ -183,39 +180,29 @@ def _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP: gl
 @gluon.jit
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
               base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-              idle, partner_idle, qt_smem, pt_smem, part_o_ptr, part_ml_ptr, count_ptr, tail_row0, tail_part,
-              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              HALVES: gl.constexpr, TAIL: gl.constexpr):
+              idle, partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, HALVES: gl.constexpr):
     """One warp group's 64 query rows [row0, row0 + 64), or nothing where `idle` (the last row
     block's second warp group with no real row: its partner then releases each slot for it, and
-    runs its products with the tensor cores to itself). TAIL > 0: it also takes its share of the
-    tail rows' tiles (`_attend`)."""
+    runs its products with the tensor cores to itself)."""
     if idle == 0:
         _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
                 base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-                partner_idle, qt_smem, pt_smem, part_o_ptr, part_ml_ptr, count_ptr, tail_row0, tail_part, GROUP, D,
-                BLOCK_N, STAGES, HALVES, TAIL)
+                partner_idle, GROUP, D, BLOCK_N, STAGES, HALVES)
 
 
 @gluon.jit
 def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, row0, rows, head,
             base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale,
-            partner_idle, qt_smem, pt_smem, part_o_ptr, part_ml_ptr, count_ptr, tail_row0, tail_part,
-            GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            HALVES: gl.constexpr, TAIL: gl.constexpr):
+            partner_idle, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            HALVES: gl.constexpr):
     """The rows [row0, row0 + 64) over the split's keys [start, end), then over the block's n_block
     tiles of columns (none but in the first split). Each slot's release counts for both warp groups
     where the partner is idle (partner_idle), so the loader never waits on it.
 
     HALVES 2: p.v as two products over the two halves of the head dim (acc and acc_hi, each [64,
     D / 2]). At head_dim 256 one m64n256 product needs 158 registers of a thread at once, more than
-    the 128 a launch of four warp groups (a tail warp group's) leaves each; two of N = 128 fit.
-
-    TAIL > 0 (head_dim <= 128, no tail warp group): the tail rows [tail_row0, tail_row0 + TAIL)
-    are this warp group's too over its share of the split's tiles (`_tail_share`: a run, one of
-    the KV head's programs x 2 consumers): on each such tile, once its own products have retired,
-    s^T = k . q^T and o^T += v^T . p^T as the tail warp group runs them (`_tail_scores`,
-    `_tail_values`), the slot released after those; its partial then goes to `_tail_publish`."""
+    the 128 a launch of four warp groups (a tail warp group's) leaves each; two of N = 128 fit."""
     BLOCK_M: gl.constexpr = 64
     DH: gl.constexpr = D // HALVES
     release_twice = partner_idle != 0
@@ -227,35 +214,14 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
     _inputs_ready()
     # This warp group's query rows -> its slice of shared memory, the A operand of every q.k.
     _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, BLOCK_M)
-    if TAIL > 0:
-        ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, TAIL, 16])
-        part = gl.program_id(0) * 2 + tail_part
-        parts = gl.num_programs(0) * 2
-        t_lo, t_hi = _tail_share(part, parts, n_tiles + n_block)
-        _stage_rows(q_ptr, qt_smem, tail_row0, rows, head, stride_qt, stride_qh, GROUP, D, TAIL)
-        t_rws = tail_row0 + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
-        t_zero = gl.zeros([BLOCK_N, TAIL], gl.float32, ST)
-        t_acc = gl.zeros([D, TAIL], gl.float32, ST)
-        t_m = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
-        t_sums = gl.zeros([BLOCK_N, TAIL], gl.float32, ST)
-    else:
-        t_lo = 0
-        t_hi = 0
 
     # Tile 0: q.k and its softmax; its p.v is issued with tile 1's q.k.
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK)
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1, pred=(t_lo > 0) | (t_hi <= 0))  # the tail's share keeps it
+    mbarrier.arrive(k_empty.index(0), count=1)
     mbarrier.arrive(k_empty.index(0), count=1, pred=release_twice)
-    if TAIL > 0:
-        if (t_lo == 0) & (t_hi > 0):
-            t_m, t_sums, t_acc = _tail_scores(k_ring.index(0), qt_smem, pt_smem, t_zero, 0, t_m, t_sums, t_acc,
-                                              start, end, n_tiles, block_cols, mask_ptr, mask_stride, t_rws, rows,
-                                              qk_scale, GROUP, BLOCK_N, ST)
-            mbarrier.arrive(k_empty.index(0), count=1)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, QK))
     p, m_i, l_i, alpha = _softmax_tile(_keys_before(s, start, end, BLOCK_N, QK), m_i, l_i, qk_scale)
@@ -277,8 +243,7 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
             acc_token = warpgroup_mma(p_prev, v_ring.index(prev).slice(0, DH, dim=1), acc, is_async=True)
             hi_token = warpgroup_mma(p_prev, v_ring.index(prev).slice(DH, DH, dim=1), acc_hi, is_async=True)
             s = warpgroup_mma_wait(2, deps=(s_token, ))
-        # q.k of tile j has read its keys (the tail's share: once its own k . q^T has too, below)
-        mbarrier.arrive(k_empty.index(slot), count=1, pred=(j < t_lo) | (j >= t_hi))
+        mbarrier.arrive(k_empty.index(slot), count=1)  # q.k of tile j has read its keys
         mbarrier.arrive(k_empty.index(slot), count=1, pred=release_twice)
         tile_start = start + j * BLOCK_N
         if j >= n_tiles:  # the block's columns, seen through the tree's mask
@@ -291,23 +256,13 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc_token, p_prev))
         else:
             acc, acc_hi, p_prev = warpgroup_mma_wait(0, deps=(acc_token, hi_token, p_prev))
-        # p.v of tile j - 1 has read its values
-        mbarrier.arrive(v_empty.index(prev), count=1, pred=(j - 1 < t_lo) | (j - 1 >= t_hi))
+        mbarrier.arrive(v_empty.index(prev), count=1)  # p.v of tile j - 1 has read its values
         mbarrier.arrive(v_empty.index(prev), count=1, pred=release_twice)
         alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(1, PV))
         acc = acc * alpha_pv[:, None]
         if HALVES == 2:
             acc_hi = acc_hi * alpha_pv[:, None]
         p_prev = gl.convert_layout(p.to(dtype), P_OPERAND)
-        if TAIL > 0:  # the tail's share: tile j - 1's values, then tile j's keys (no product of ours in flight)
-            if (j - 1 >= t_lo) & (j - 1 < t_hi):
-                t_acc = _tail_values(v_ring.index(prev), pt_smem, t_acc)
-                mbarrier.arrive(v_empty.index(prev), count=1)
-            if (j >= t_lo) & (j < t_hi):
-                t_m, t_sums, t_acc = _tail_scores(k_ring.index(slot), qt_smem, pt_smem, t_zero, j, t_m, t_sums,
-                                                  t_acc, start, end, n_tiles, block_cols, mask_ptr, mask_stride,
-                                                  t_rws, rows, qk_scale, GROUP, BLOCK_N, ST)
-                mbarrier.arrive(k_empty.index(slot), count=1)
 
     last = (n_tiles + n_block - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles + n_block - 1) // STAGES) & 1)
@@ -318,9 +273,6 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
         acc = warpgroup_mma(p_prev, v_ring.index(last).slice(0, DH, dim=1), acc, is_async=True)
         acc_hi = warpgroup_mma(p_prev, v_ring.index(last).slice(DH, DH, dim=1), acc_hi, is_async=True)
         acc, acc_hi, p_prev = warpgroup_mma_wait(0, deps=(acc, acc_hi, p_prev))
-    if TAIL > 0:
-        if (t_hi == n_tiles + n_block) & (t_lo < t_hi):  # the last tile's values, no slot to release
-            t_acc = _tail_values(v_ring.index(last), pt_smem, t_acc)
 
     l_pv = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
     norm = gl.where(l_pv > 0.0, 1.0 / l_pv, 0.0)[:, None]
@@ -333,82 +285,6 @@ def _attend(q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_ready, k_empty, v_r
     lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) * LN2, float("-inf"))
     rows_qk = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QK))
     gl.store(lse_ptr + base + rows_qk, lse, mask=rows_qk < rows)
-    if TAIL > 0:
-        _tail_publish(t_acc, t_m, gl.sum(t_sums, axis=0), part, parts, head, part_o_ptr, part_ml_ptr, count_ptr,
-                      o_ptr, lse_ptr, base, tail_row0, rows, D, TAIL, ST)
-
-
-@gluon.jit
-def _tail_share(part, parts, total):
-    """[lo, hi): the run of a split's `total` tiles that part `part` of `parts` takes for the tail rows."""
-    per = gl.cdiv(total, parts)
-    lo = gl.minimum(part * per, total)
-    return lo, gl.minimum(lo + per, total)
-
-
-@gluon.jit
-def _tail_scores(k_tile, qt_smem, pt_smem, s_zero, j, m_i, sums, acc, start, end, n_tiles, block_cols, mask_ptr,
-                 mask_stride, rws, rows, qk_scale, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, ST: gl.constexpr):
-    """Tile j's keys for the tail rows, with no other product of the warp group in flight: s^T
-    [BLOCK_N, TAIL] = k . q^T, the online softmax down each column (m_i, the entries' sums and acc
-    rescaled to the new maximum), p^T -> pt_smem for the tile's `_tail_values`. -> (m_i, sums, acc)."""
-    s = warpgroup_mma(k_tile, qt_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    s = _tail_seen(s, j, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
-    m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - m_safe[None, :])
-    alpha = gl.exp2(m_i - m_safe)
-    pt_smem.store(gl.permute(p.to(pt_smem.dtype), [1, 0]))
-    fence_async_shared()
-    return m_new, sums * alpha[None, :] + p, acc * alpha[None, :]
-
-
-@gluon.jit
-def _tail_values(v_tile, pt_smem, acc):
-    """o^T [D, TAIL] += v^T . p^T for the tile whose p^T `_tail_scores` left in pt_smem."""
-    acc = warpgroup_mma(v_tile.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma_wait(0, deps=(acc, ))
-
-
-@gluon.jit
-def _tail_publish(acc, m_i, l_i, part, parts, head, part_o_ptr, part_ml_ptr, count_ptr, o_ptr, lse_ptr, base, row0,
-                  rows, D: gl.constexpr, TAIL: gl.constexpr, ST: gl.constexpr):
-    """One part's tail partial (o^T unnormalised [D, TAIL], running maximum, sum) -> part_o / part_ml,
-    then the arrival count (count_ptr, one counter per KV head, split and batch row, left at zero for
-    the next launch); the last of the `parts` to arrive merges them into the split's output rows
-    [row0, rows) and their lse."""
-    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
-    entries = gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
-    at = (group * parts + part) * TAIL + entries
-    gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
-    gl.store(part_ml_ptr + at * 2, m_i)
-    gl.store(part_ml_ptr + at * 2 + 1, l_i)
-    # Every thread's stores are issued before one thread releases them with the arrival count (a
-    # barrier of this warp group, then a GPU-scope acquire-release atomic: a semaphore).
-    gl.thread_barrier()
-    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")
-    if arrived == parts - 1:
-        gl.store(count_ptr + group, 0)  # zero again for the next launch
-        first = group * parts * TAIL + entries
-        m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
-        for p in range(parts):
-            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2, cache_modifier=".cg"))
-        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-        o = gl.zeros([D, TAIL], gl.float32, ST)
-        total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
-        for p in range(parts):
-            at_p = first + p * TAIL
-            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2, cache_modifier=".cg") - m_safe)  # 0: empty
-            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1, cache_modifier=".cg")
-            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None], cache_modifier=".cg")
-        rws = row0 + entries
-        out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
-        gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(o_ptr.dtype.element_ty),
-                 mask=(rws[None, :] < rows) & (dims[:, None] < D))
-        lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
-        gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
 
 
 @gluon.jit
@@ -442,7 +318,9 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
     total = n_tiles + n_block
-    lo, hi = _tail_share(pid_m, parts, total)
+    per = gl.cdiv(total, parts)
+    lo = gl.minimum(pid_m * per, total)
+    hi = gl.minimum(lo + per, total)
     _release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)
     ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
     if lo < hi:
@@ -454,9 +332,39 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
         m_i = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
         l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
     _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
+
     # This program's partial, then the arrival count; the last to arrive merges them all.
-    _tail_publish(acc, m_i, l_i, pid_m, parts, head, part_o_ptr, part_ml_ptr, count_ptr, o_ptr, lse_ptr, base, row0,
-                  rows, D, TAIL, ST)
+    group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
+    entries = gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST))
+    at = (group * parts + pid_m) * TAIL + entries
+    gl.store(part_o_ptr + at[None, :] * D + dims[:, None], acc)
+    gl.store(part_ml_ptr + at * 2, m_i)
+    gl.store(part_ml_ptr + at * 2 + 1, l_i)
+    # Every thread's stores are issued before one thread releases them with the arrival count (a
+    # barrier of this warp group, then a GPU-scope acquire-release atomic: a semaphore).
+    gl.thread_barrier()
+    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        gl.store(count_ptr + group, 0)  # zero again for the next launch
+        first = group * parts * TAIL + entries
+        m_all = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            m_all = gl.maximum(m_all, gl.load(part_ml_ptr + (first + p * TAIL) * 2, cache_modifier=".cg"))
+        m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+        o = gl.zeros([D, TAIL], gl.float32, ST)
+        total_sum = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
+        for p in range(parts):
+            at_p = first + p * TAIL
+            w = gl.exp2(gl.load(part_ml_ptr + at_p * 2, cache_modifier=".cg") - m_safe)  # 0: empty
+            total_sum += w * gl.load(part_ml_ptr + at_p * 2 + 1, cache_modifier=".cg")
+            o += w[None, :] * gl.load(part_o_ptr + at_p[None, :] * D + dims[:, None], cache_modifier=".cg")
+        rws = row0 + entries
+        out = o * gl.where(total_sum > 0.0, 1.0 / total_sum, 0.0)[None, :]
+        gl.store(o_ptr + (base + rws[None, :]) * D + dims[:, None], out.to(q_ptr.dtype.element_ty),
+                 mask=(rws[None, :] < rows) & (dims[:, None] < D))
+        lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
+        gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
 
 
 @gluon.jit
@@ -546,7 +454,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
                    qk_scale, full_rows, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
                    SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, TAIL_REGS: gl.constexpr, BATCHED: gl.constexpr,
-                   TAIL_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     rows = n_tokens * GROUP
@@ -590,12 +498,12 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS + TAIL_WARPS)  # each consumer's arrival frees a slot
-        mbarrier.init(v_empty.index(i), count=CONSUMERS + TAIL_WARPS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS + (TAIL > 0))  # each consumer's arrival frees a slot
+        mbarrier.init(v_empty.index(i), count=CONSUMERS + (TAIL > 0))
 
     # (Partitions and their arguments are written in the call itself: tuples built before it would
     # turn their functions and constexprs into tensors.)
-    if TAIL_WARPS:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
+    if TAIL > 0:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
         HALVES: gl.constexpr = (D + 127) // 128  # p.v in two products at head_dim 256 (`_attend`)
         qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
         pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
@@ -603,12 +511,10 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, qt_smem, pt_smem, part_o_ptr, part_ml_ptr,
-                         count_ptr, full_rows, 0, GROUP, D, BLOCK_N, STAGES, HALVES, 0)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, HALVES)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, qt_smem, pt_smem, part_o_ptr, part_ml_ptr,
-                         count_ptr, full_rows, 1, GROUP, D, BLOCK_N, STAGES, HALVES, 0)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, HALVES)),
             (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                      part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
                      end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
@@ -617,23 +523,13 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
                        slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
     elif CONSUMERS == 2:
-        if TAIL > 0:  # the rows past the whole blocks in the consumers (`_attend`), each its own q^T and p^T
-            qt_smem = gl.allocate_shared_memory(dtype, [2, TAIL, D],
-                                                gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
-            pt_smem = gl.allocate_shared_memory(dtype, [2, TAIL, BLOCK_N],
-                                                gl.NVMMASharedLayout.get_default_for([TAIL, BLOCK_N], dtype))
-            qt0, qt1, pt0, pt1 = qt_smem.index(0), qt_smem.index(1), pt_smem.index(0), pt_smem.index(1)
-        else:  # never read
-            qt0, qt1, pt0, pt1 = q_smem, q_smem, q_smem, q_smem
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, tail_idle, qt0, pt0, part_o_ptr, part_ml_ptr, count_ptr,
-                         full_rows, 0, GROUP, D, BLOCK_N, STAGES, 1, TAIL)),
+                         mask_ptr, mask_stride, qk_scale, 0, tail_idle, GROUP, D, BLOCK_N, STAGES, 1)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, tail_idle, False, qt1, pt1, part_o_ptr, part_ml_ptr,
-                         count_ptr, full_rows, 1, GROUP, D, BLOCK_N, STAGES, 1, TAIL)),
+                         mask_ptr, mask_stride, qk_scale, tail_idle, False, GROUP, D, BLOCK_N, STAGES, 1)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
                        slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -641,8 +537,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                          row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, q_smem, q_smem, part_o_ptr, part_ml_ptr,
-                         count_ptr, full_rows, 0, GROUP, D, BLOCK_N, STAGES, 1, 0)),
+                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, 1)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
                        slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -797,13 +692,11 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         mask, block_cols = torch.empty(1, 1, dtype=torch.uint8, device=q.device), 0
     keys_per_split, lead = split_keys(max_keys, splits, block_cols if t.get("BALANCE", True) else 0)
     tail, full_rows = tail_rows(t, rows, d)
-    tail_warps = tail > 0 and not (t.get("TAIL_CONSUMERS", TAIL_CONSUMERS) and d <= 128)
-    maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail_warps)
+    maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
     grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits * batch)
-    if tail:  # each row-block program's (or consumer's) partial for the tail rows, merged by the last to finish
-        parts = grid[0] * (1 if tail_warps else consumers)
-        part_o = torch.empty(grid[2] * hkv * parts * tail * d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(grid[2] * hkv * parts * tail * 2, dtype=torch.float32, device=q.device)
+    if tail:  # each row-block program's partial for the tail rows, merged by the last to finish
+        part_o = torch.empty(grid[2] * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(grid[2] * hkv * grid[0] * tail * 2, dtype=torch.float32, device=q.device)
         counts = _tail_counters(q.device, grid[2] * hkv)
     else:  # never read
         part_o, part_ml, counts = lse, lse, lse
@@ -812,8 +705,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                          mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs,
-                         BATCHED=first_slot is not None, TAIL_WARPS=int(tail_warps), num_warps=4, maxnreg=maxnreg,
-                         launch_pdl=t.get("PDL", PDL))
+                         BATCHED=first_slot is not None, num_warps=4, maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
     return o, lse
 
 
