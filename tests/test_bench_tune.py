@@ -164,8 +164,9 @@ def test_auto_ignores_a_file_for_another_device_or_pair(llm, tuned, tmp_path, ch
     lines: list[str] = []
     budget = resolve_auto_budget(llm, tmp_path, log=lines.append, time_limit_s=0)
     assert any("ignoring" in line and reason in line for line in lines)
-    assert any("measured nothing" in line for line in lines)  # a zero time limit leaves no time to measure
-    assert budget == llm.default_budget
+    # it calibrates instead; a zero time limit measures only `ar` and the chain, which are measured past it
+    assert any("calibration took" in line and "not measured: 15, 31" in line for line in lines)
+    assert budget in (AR, CHAIN)
 
 
 def test_auto_calibrates_without_a_file(llm, tmp_path):
@@ -205,8 +206,9 @@ def test_calibration_grows_trees_until_they_fall_behind(llm, monkeypatch):
 
 def test_tune_calibrations_leave_warm_ups_out_of_their_time(llm, monkeypatch):
     """Warm-up requests slower than the whole limit (the first request after a long prompt compiling
-    its kernels, on a GPU): inside the limit nothing is measured; outside it (`ddtree tune`) every
-    budget is."""
+    its kernels, on a GPU): inside the limit only `ar` and the first budget that drafts are measured,
+    past the deadline, so that plain decoding is never picked unopposed; outside it (`ddtree tune`)
+    every budget is."""
     def fake_generate(self, index, budget, params, sent_at, deadline=None):
         if params.max_tokens == CALIBRATION_WARMUP_TOKENS:
             if deadline is not None and time.perf_counter() + 0.2 > deadline:
@@ -216,11 +218,43 @@ def test_tune_calibrations_leave_warm_ups_out_of_their_time(llm, monkeypatch):
         return RequestOutput(index, success=True, output_tokens=params.max_tokens, ttft_s=0.001, e2el_s=0.01)
 
     monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
-    budgets = [AR, CHAIN]
-    assert calibrate(llm, time_limit_s=0.1, budgets=budgets)[0] is None
-    budget, summary = calibrate(llm, time_limit_s=0.1, budgets=budgets, untimed_warmups=True)
+    budgets = [AR, CHAIN, TreeShape.best(15)]
+    budget, summary = calibrate(llm, time_limit_s=0.1, budgets=budgets)
     assert budget is not None and set(summary["median_tokens_per_second"]) == {"ar", "chain"}
-    assert summary["seconds"] >= 0.4  # the two warm-ups, beside the limit's 0.1 s
+    assert summary["skipped"] == {"15": "out of time"}
+    budget, summary = calibrate(llm, time_limit_s=0.1, budgets=budgets, untimed_warmups=True)
+    assert budget is not None and set(summary["median_tokens_per_second"]) == {"ar", "chain", "15"}
+    assert summary["seconds"] >= 0.6  # the three warm-ups, beside the limit's 0.1 s
+
+
+def test_a_first_start_out_of_time_still_races_a_drafting_budget_against_ar(llm, monkeypatch):
+    """A machine's first start: `ar`'s first request compiles for longer than the whole limit. The
+    chain is still measured after the deadline, and wins; the trees past it are out of time."""
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        if budget == AR and params.max_tokens == CALIBRATION_WARMUP_TOKENS:
+            time.sleep(0.3)  # past the 0.1 s limit, but not stopped: ar is the first of its kind
+        speed = {AR: 100.0, CHAIN: 900.0}.get(budget, 1000.0)
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens, ttft_s=0.001,
+                             e2el_s=0.001 + params.max_tokens / speed)
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    budget, summary = calibrate(llm, time_limit_s=0.1, budgets=[AR, CHAIN, TreeShape.best(15), TreeShape.best(31)])
+    assert budget == CHAIN
+    assert set(summary["median_tokens_per_second"]) == {"ar", "chain"}
+    assert summary["skipped"] == {"15": "out of time", "31": "out of time"}
+
+
+def test_a_budget_that_fails_stops_the_larger_trees(llm, monkeypatch):
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        if budget == TreeShape.best(15):
+            return RequestOutput(index, error="out of memory")
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens, ttft_s=0.001, e2el_s=0.01)
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    budgets = [AR, CHAIN, TreeShape.best(15), TreeShape.best(31)]
+    budget, summary = calibrate(llm, time_limit_s=0.3, budgets=budgets)
+    assert summary["skipped"] == {"15": "failed", "31": "not run: 15 failed"}
+    assert set(summary["median_tokens_per_second"]) == {"ar", "chain"}
 
 
 def test_without_a_drafter_auto_is_ar(demo_pair):

@@ -260,7 +260,9 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
 
     First an ascending pass: each budget (ar, chain, then trees from small to large) runs one short
     untimed request (graph capture, caches) and one timed one; the trees stop growing once one runs
-    below half the best tokens/s so far, as larger trees only cost more per round. Then the time left
+    below half the best tokens/s so far, as larger trees only cost more per round. The first budget
+    that drafts and the first that does not are measured even past the deadline (a machine's first
+    start may spend the whole bound compiling), so that `ar` is never picked unopposed. Then the time left
     goes to more prompts for the budgets still in the race, the order rotating so that slow drifts hit
     all alike; after each turn a budget below half the leader's median (two samples or more) drops
     out. A request still running at the deadline stops after its round in progress and is not counted.
@@ -285,8 +287,8 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     accepted: dict[TreeShape, list[int]] = {b: [0, 0] for b in budgets}  # [accepted tokens, rounds]
     skipped: dict[str, str] = {}
 
-    def timed(index: int, budget: TreeShape) -> bool:
-        out = backend.generate_one(index % n_prompts, budget, params, time.perf_counter(), deadline)
+    def timed(index: int, budget: TreeShape, until: float | None) -> bool:
+        out = backend.generate_one(index % n_prompts, budget, params, time.perf_counter(), until)
         if out.success and out.decode_tokens_per_second is not None:
             # Decode tokens/s, as the server's own selector measures: after a long prompt the
             # prefill, the same for every budget, would otherwise be most of a request's time
@@ -296,17 +298,29 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
             accepted[budget][1] += out.decode_rounds or 0
         return out.success
 
+    def first_of_its_kind(budget: TreeShape) -> bool:
+        """No budget that drafts as it does (or does not) has a sample yet: one that drafts and one
+        that does not are measured past the deadline, so that a first start whose compiles take the
+        whole bound still compares speculation with plain decoding (on a fresh H100 its 60 s had
+        measured `ar` alone and served it)."""
+        return not any(samples[b] for b in budgets if b.drafts == budget.drafts)
+
     racing: list[TreeShape] = []
     for k, budget in enumerate(budgets):
-        if time.perf_counter() >= deadline:
-            skipped.update({str(b): "out of time" for b in budgets[k:]})
-            break
+        needed = first_of_its_kind(budget)
+        if time.perf_counter() >= deadline and not needed:
+            skipped[str(budget)] = "out of time"
+            continue
+        until = None if needed else deadline
         warm_start = time.perf_counter()
-        warm = backend.generate_one(0, budget, warmup_params, warm_start, None if untimed_warmups else deadline)
+        warm = backend.generate_one(0, budget, warmup_params, warm_start, None if untimed_warmups else until)
         if untimed_warmups:
             deadline += time.perf_counter() - warm_start
-        if not (warm.success and timed(0, budget)):
-            skipped.update({str(b): "out of time" for b in budgets[k:]})
+        if not (warm.success and timed(0, budget, until)):
+            if time.perf_counter() >= deadline:  # stopped at the deadline: a budget still needed may follow
+                skipped[str(budget)] = "out of time"
+                continue
+            skipped.update({str(budget): "failed", **{str(b): f"not run: {budget} failed" for b in budgets[k + 1:]}})
             break
         racing.append(budget)
         best = max((median(samples[b]) for b in racing if samples[b]), default=0.0)
@@ -319,7 +333,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
         for budget in racing[shift:] + racing[:shift]:
             if time.perf_counter() >= deadline:
                 break
-            timed(turn, budget)
+            timed(turn, budget, deadline)
         racing = _survivors(racing, samples)
         turn += 1
     rows = [{"tree_budget": b, "concurrency": 1, "completed": len(s), "median_tokens_per_second": median(s)}

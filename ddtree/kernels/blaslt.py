@@ -9,9 +9,9 @@ verify's few rows the projections run 4-9 us above their weights' copy time (ben
 CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; where nothing beat
 it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: in whole rounds over 32k tokens on one
 H100 lease it took 0.21 ms off a 64 round and nothing off a 256 one, on another 0.02-0.33 ms off
-every budget's, but its timings added about a minute to a batching server's start-up, whose round
-costs meet many row counts (benchmarks/README.md, "cuBLASLt's other kernels for the projections");
-not yet timed on the H200. Every
+every budget's, but its timings added about a minute to a batching server's first start, whose round
+costs meet many row counts, and on a fresh machine they took `--tree-budget auto`'s calibration time
+(benchmarks/README.md, "cuBLASLt's other kernels for the projections"); not yet timed on the H200. Every
 bias-free projection of the targets and the drafter comes through `linear`; inside a
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
 `ddtree::blaslt_linear`, which the compiled code calls as it runs.
