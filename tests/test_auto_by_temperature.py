@@ -136,3 +136,30 @@ def test_the_sampled_buckets_race_what_greedy_measured_inside_the_bound(llm, tmp
     picks = resolve_auto_budgets(llm, tmp_path, log=lambda line: None, time_limit_s=60)
     assert picks == dict.fromkeys(BUCKET_NAMES, AR)
     assert len(calls) == 1
+
+
+def test_a_first_start_whose_compiles_fill_the_bound_still_serves_speculation(llm, tmp_path, monkeypatch):
+    """Without a tune file, on a machine's first start: `ar`'s first requests compile for longer than
+    the whole bound. Every calibration (greedy and each sampled bucket) still measures `ar` and the
+    chain, past its deadline, and the chain, twice as fast, is served everywhere (a fresh GPU had
+    measured `ar` alone and served it)."""
+    import time
+
+    from ddtree.bench.tune import CALIBRATION_WARMUP_TOKENS
+
+    compiled: set = set()
+
+    def fake_generate(self, index, budget, params, sent_at, deadline=None):
+        if budget == AR and params.max_tokens == CALIBRATION_WARMUP_TOKENS and params.temperature == 0:
+            time.sleep(0.3)  # the first compiles, past the 0.1 s greedy share of the bound
+        compiled.add(budget)
+        speed = {AR: 100.0, CHAIN: 200.0}.get(budget, 150.0)
+        return RequestOutput(index, success=True, output_tokens=params.max_tokens, ttft_s=0.001,
+                             e2el_s=0.001 + params.max_tokens / speed)
+
+    monkeypatch.setattr(OfflineBackend, "generate_one", fake_generate)
+    lines: list[str] = []
+    picks = resolve_auto_budgets(llm, tmp_path, log=lines.append, time_limit_s=0.2)
+    assert picks == dict.fromkeys(BUCKET_NAMES, CHAIN)
+    assert compiled == {AR, CHAIN}  # no tree: every one was out of time
+    assert any("calibration took" in line and "not measured: 15" in line for line in lines)
