@@ -14,7 +14,8 @@ For each context and N: microseconds per call (CUDA-graph replay of 10 calls) of
   group computing its rows past the end, as before SKIP_IDLE; `ws_default_no_pdl`: each call
   launched after the one before has ended, where by default its programs start while that one
   ends; --splits: the default at more split counts, with and without the tail);
-  with --repeats, the median of R passes over all of them (`_all_us`: each pass's);
+  with --repeats, the median of R passes over all of them (`_all_us`: each pass's), each pass
+  starting one call later than the last (`rotated`);
 - `triton_whole`: `masked_attention` in the engine's form (prefix + the tree's block), the default
   tiling: the whole attention the Gluon kernel's prefix would sit inside;
 - `gluon_whole`: the same call through DDTREE_GLUON_PREFIX's path at any row count (the
@@ -50,6 +51,17 @@ from ddtree.tree import build_tree
 # The whole-attention rows: (key, the block in the Gluon kernel, entries over its tiling).
 GLUON_WHOLE = (("gluon_whole_us", True, {}), ("gluon_whole_triton_block_us", False, {}),
                ("gluon_whole_no_pdl_us", True, {"PDL": False}), ("gluon_whole_unbalanced_us", True, {"BALANCE": False}))
+
+
+def rotated(calls: list | tuple, turn: int) -> list:
+    """The pass's order: each pass starts one entry later, so that a drift within a pass (clocks
+    under the power cap, say) does not always fall on the same calls. With one order for every
+    pass, four runs on H100s timed the same call at 257 tokens at 224-231 us where it came first
+    and 240-248 where it came fifth (medians of 2-3 passes,
+    `results/prefix_attention_sm90_h100_8b_32k_tail_consumers*.json`: `gluon_whole` against
+    `gluon_whole_tail_warp_group`, the default then)."""
+    shift = turn % len(calls)
+    return list(calls[shift:]) + list(calls[:shift])
 
 
 def report(row: dict) -> None:
@@ -95,8 +107,8 @@ def main() -> None:
                 minimum = attention_libraries.GLUON_MIN_ROWS
                 attention_libraries.GLUON_MIN_ROWS = {64: 1, 128: 1, 256: 1}
                 whole = {}
-                for _ in range(args.repeats):  # passes, as the tilings below
-                    for key, block_in_gluon, override in GLUON_WHOLE:
+                for turn in range(args.repeats):  # passes, as the tilings below
+                    for key, block_in_gluon, override in rotated(GLUON_WHOLE, turn):
                         attention_libraries.GLUON_BLOCK = block_in_gluon
                         sm90.tiling = lambda *a, override=override: picked(*a) | override  # noqa: E731
                         whole.setdefault(key, []).append(call_us(
@@ -137,8 +149,8 @@ def main() -> None:
             runs += [(label, ws_tilings[label], splits) for splits in extra_splits
                      for label in ("default", "default_no_tail") if label in ws_tilings]
             times = {}
-            for _ in range(args.repeats):  # every tiling once a pass, so that drift between passes hits all alike
-                for label, config, splits in runs:
+            for turn in range(args.repeats):  # every tiling once a pass, so that drift between passes hits all alike
+                for label, config, splits in rotated(runs, turn):
                     if f"ws_{label}_error" in row:
                         continue
                     try:
