@@ -19,7 +19,7 @@ def own_cache(monkeypatch, tmp_path):
     """Each test with a cache file of its own, read afresh."""
     monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(blaslt, "_SAVED", None)
-    monkeypatch.setattr(blaslt, "_CACHE_FAILED", [])
+    monkeypatch.setattr(blaslt, "_CACHE_FAILED", set())
 
 
 @pytest.fixture

@@ -301,7 +301,7 @@ def calibrate(llm, time_limit_s: float = 60.0, log: Callable[[str], None] = prin
     def first_of_its_kind(budget: TreeShape) -> bool:
         """No budget that drafts as it does (or does not) has a sample yet: one that drafts and one
         that does not are measured past the deadline, so that a first start whose compiles take the
-        whole bound still compares speculation with plain decoding (on a fresh H100 its 60 s had
+        whole bound still compares speculation with plain decoding (on a fresh H100 its 30 s had
         measured `ar` alone and served it)."""
         return not any(samples[b] for b in budgets if b.drafts == budget.drafts)
 

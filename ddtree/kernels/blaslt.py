@@ -263,14 +263,14 @@ def cache_key(key: tuple, build: str) -> str:
 
 
 _SAVED: dict[str, dict | None] | None = None  # the file's entries, read once a process
-_CACHE_FAILED: list[str] = []  # what failed with the cache ("read", "write", ...), each logged once
+_CACHE_FAILED: set[str] = set()  # what failed with the cache ("read", "write", ...), each logged once
 
 
 def _cache_failed(what: str, exc: Exception) -> None:
     if what not in _CACHE_FAILED:
         log.warning("cuBLASLt choices: could not %s %s (%s); %s", what, cache_path(), exc,
                     "it is written anew" if what == "read" else "they are timed at each start")
-    _CACHE_FAILED.append(what)
+    _CACHE_FAILED.add(what)
 
 
 def _saved() -> dict[str, dict | None]:
