@@ -142,6 +142,21 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"])} if "REG" in fields else {}
 
 
+def compile_gluon(kernel, signature: dict, constexprs: dict, attrs: dict, options: dict, name: str):
+    """A Gluon kernel compiled for sm_90 -> the compiled kernel, or None after printing why not
+    (`FAILED name: ...`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    try:
+        return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    except Exception as error:
+        print(f"FAILED {name}: {type(error).__name__}: {str(error).strip()[-3000:]}")
+        return None
+
+
 def programs_per_sm(registers: int, shared: int, num_warps: int, shared_limit: int) -> int:
     """How many programs (CTAs) of a launch an SM holds at once (sm_80+ limits: 64K registers,
     allocated per warp in units of 256; 64 warps; 32 CTAs; shared memory plus 1 KiB reserved a CTA)."""

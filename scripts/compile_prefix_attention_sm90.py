@@ -61,14 +61,10 @@ def sass_hash(cubin: bytes) -> str:
 
 def main() -> int:
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    from check_kernels_compile import SHARED_LIMITS, resource_usage
+    from check_kernels_compile import SHARED_LIMITS, compile_gluon, resource_usage
     from ddtree.kernels.prefix_attention_sm90 import _prefix_kernel, registers, shared_layouts
 
-    target = GPUTarget("cuda", 90, 32)
     failed = 0
     for name, group, head_dim, dtype_name, t in TILINGS:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16
@@ -88,12 +84,10 @@ def main() -> int:
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        try:
-            compiled = triton.compile(GluonASTSource(_prefix_kernel, signature, constexprs, attrs), target=target,
-                                      options={"num_warps": 4, "maxnreg": maxnreg})
-        except Exception as error:
+        compiled = compile_gluon(_prefix_kernel, signature, constexprs, attrs, {"num_warps": 4, "maxnreg": maxnreg},
+                                 name)
+        if compiled is None:
             failed += 1
-            print(f"FAILED {name}: {type(error).__name__}: {str(error).strip()[-3000:]}")
             continue
         usage = resource_usage(compiled.asm["cubin"])
         shared = compiled.metadata.shared
