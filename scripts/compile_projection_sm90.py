@@ -25,7 +25,7 @@ def main() -> int:
     from triton.experimental.gluon import language as gl
 
     from check_kernels_compile import SHARED_LIMITS, compile_gluon, resource_usage
-    from ddtree.kernels.projection_sm90 import _projection_kernel, tiling
+    from ddtree.kernels.projection_sm90 import _projection_kernel, max_registers, tiling
 
     failed = 0
     for m, n, k, accumulate in CASES:
@@ -42,7 +42,8 @@ def main() -> int:
                       "X_STAGES": t["X_STAGES"], "ACCUMULATE": accumulate, "num_warps": t["WARPS"]}
         signature |= {key: "constexpr" for key in constexprs}
         name = f"{m} rows x [{n}, {k}]{' +=' if accumulate else ''}"
-        compiled = compile_gluon(_projection_kernel, signature, constexprs, {}, {"num_warps": t["WARPS"]}, name)
+        compiled = compile_gluon(_projection_kernel, signature, constexprs, {},
+                                 {"num_warps": t["WARPS"], "maxnreg": max_registers(t["WARPS"])}, name)
         if compiled is None:
             failed += 1
             continue

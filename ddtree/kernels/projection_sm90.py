@@ -19,19 +19,20 @@ How:
   several runs share a tile, each writes its float32 partial and adds its steps to the tile's
   arrival count, and the run that completes the count adds the others' partials (in program order)
   to its own and writes y. No second launch, no atomics on the data;
-- TMA copies each step's weight tile into a ring of W_STAGES slots, W_STAGES - 1 steps ahead of
-  the MMA, and its x tile (from L2) into a shallower ring of its own; the MMA of step i - 1 retires
-  before its slots are refilled;
+- a loader warp copies each step's weight tile with TMA into a ring of W_STAGES slots and another
+  its x tile (from L2) into a shallower ring of its own, each as the products release a slot, so
+  the weights' copies never wait on a product or on x (warp specialised: with the copies issued by
+  the warps that multiply, each call took 1-2 us longer at 17 and 65 rows);
 - it is a programmatic dependent launch: its first weight tiles are copied while the launch before
   it ends (the weights are not that launch's output), and it waits for that launch's end
   (griddepcontrol.wait) before it copies x or touches y, the partials or the counts; it lets the
   launch after it start as soon as it runs.
 
 Where it stands (H100, Qwen3-8B's projections, `benchmarks/projection_sm90.py`; benchmarks/README.md,
-"A projection kernel of our own in Gluon"): at one row it beats cuBLAS at all four projections
-(0.5-1.4 us a call); at 65 rows it loses by 6-9 us a call: the weights alone stream faster than
-cuBLAS's whole call, but the shared tiles' partials and their merge cost 7-9 us and the products
-with y's writes 2-6 more. So nothing calls it yet. Tested against PyTorch's product on the GPU
+"A projection kernel of our own in Gluon"): at one row it beats or ties cuBLAS at all four
+projections; at 65 rows it loses by 4-8 us a call: the weights alone stream faster than cuBLAS's
+whole call, but the shared tiles' partials and their merge cost 7-9 us and the products with y's
+writes 2-6 more. So nothing calls it yet. Tested against PyTorch's product on the GPU
 (`tests/test_projection_sm90.py`); compiled for sm_90 on the CPU by `scripts/compile_projection_sm90.py`.
 """
 from __future__ import annotations
@@ -143,45 +144,45 @@ def _finish_tile(y_ptr, part_ptr, count_ptr, acc, acc_t, tile, k0, k1, pid, prog
 
 
 @gluon.jit
-def _projection_kernel(w_desc, x_desc, xt_desc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, steps_k, total,
-                       max_runs, BM: gl.constexpr, BK: gl.constexpr, MP: gl.constexpr, TAIL: gl.constexpr,
-                       W_STAGES: gl.constexpr, X_STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-                       num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    begin = _run_start(pid, programs, total)
-    steps = _run_start(pid + 1, programs, total) - begin
-    dtype: gl.constexpr = w_desc.dtype
-    # The weights come from HBM, x from L2 (every program reads it): a deep ring for the first, a
-    # shallow one for the second, so that x's tiles do not take the shared memory the weights'
-    # copies in flight need.
-    w_ring = gl.allocate_shared_memory(dtype, [W_STAGES, BM, BK], w_desc.layout)
-    x_ring = gl.allocate_shared_memory(dtype, [X_STAGES, MP, BK], x_desc.layout)
-    xt_ring = gl.allocate_shared_memory(dtype, [X_STAGES, 8, BK], xt_desc.layout)  # unused without TAIL
-    w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
-    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(W_STAGES):
-        mbarrier.init(w_ready.index(i), count=1)
-    for i in gl.static_range(X_STAGES):
-        mbarrier.init(x_ready.index(i), count=1)
-    _dependents_may_start()
+def _load_weights(w_desc, w_ring, w_ready, w_empty, begin, steps, steps_k, BM: gl.constexpr, BK: gl.constexpr,
+                  W_STAGES: gl.constexpr):
+    """The weight loader (one warp): step i's weight tile into slot i % W_STAGES once the products
+    have released the slot's previous tile. It does not wait for the launch before this one: the
+    weights are not that launch's output, so the first W_STAGES tiles are copied while it ends."""
+    for i in range(steps):
+        slot = i % W_STAGES
+        # A fresh barrier counts as having completed the phase before phase 0: the first W_STAGES
+        # waits (on phase 1) pass at once.
+        mbarrier.wait(w_empty.index(slot), ((i // W_STAGES) & 1) ^ 1)
+        _copy_weights(w_desc, w_ring, w_ready, i, begin + i, steps_k, BM, BK, W_STAGES)
 
-    # The first steps' weights before the launch before this one has ended; x after.
-    for i in gl.static_range(W_STAGES - 1):
-        if i < steps:
-            _copy_weights(w_desc, w_ring, w_ready, i, begin + i, steps_k, BM, BK, W_STAGES)
+
+@gluon.jit
+def _load_x(x_desc, xt_desc, x_ring, xt_ring, x_ready, x_empty, begin, steps, steps_k, BK: gl.constexpr,
+            X_STAGES: gl.constexpr, TAIL: gl.constexpr):
+    """The x loader (one warp): step i's x tiles into slot i % X_STAGES, once the launch before this
+    one has ended (x is its output) and the products have released the slot."""
     _inputs_ready()
-    for i in gl.static_range(X_STAGES - 1):
-        if i < steps:
-            _copy_x(x_desc, xt_desc, x_ring, xt_ring, x_ready, i, begin + i, steps_k, BK, X_STAGES, TAIL)
+    for i in range(steps):
+        slot = i % X_STAGES
+        mbarrier.wait(x_empty.index(slot), ((i // X_STAGES) & 1) ^ 1)
+        _copy_x(x_desc, xt_desc, x_ring, xt_ring, x_ready, i, begin + i, steps_k, BK, X_STAGES, TAIL)
 
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, MP, 16])
-    ACC_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+
+@gluon.jit
+def _multiply(w_ring, x_ring, xt_ring, w_ready, w_empty, x_ready, x_empty, y_ptr, part_ptr, count_ptr, begin,
+              steps, pid, programs, total, steps_k, max_runs, M, N, stride_ym, BM: gl.constexpr, MP: gl.constexpr,
+              TAIL: gl.constexpr, W_STAGES: gl.constexpr, X_STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+              WARPS: gl.constexpr):
+    """The products (the default partition's warp groups, 64 of the tile's rows each): each step's
+    once its tiles have landed, its slots released as it retires, and each tile's end (`_finish_tile`)."""
+    _inputs_ready()  # before y, the partials or the counts are touched
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, MP, 16])
+    ACC_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, 8, 16])
     acc = gl.zeros([BM, MP], gl.float32, ACC)
     acc_t = gl.zeros([BM, 8], gl.float32, ACC_T)
-    k0 = begin % steps_k  # the current tile's first step in this run
+    k0 = begin % steps_k
     for i in range(steps):
         s = begin + i
         w_slot = i % W_STAGES
@@ -192,26 +193,60 @@ def _projection_kernel(w_desc, x_desc, xt_desc, y_ptr, part_ptr, count_ptr, M, N
         if TAIL > 0:
             acc_t = warpgroup_mma(w_ring.index(w_slot), xt_ring.index(x_slot).permute((1, 0)), acc_t,
                                   is_async=True)
-            acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # step i - 1's products have read its slots
-        else:
-            acc = warpgroup_mma_wait(1, deps=(acc, ))  # step i - 1's product has read its slots
-        if i + W_STAGES - 1 < steps:  # refill step i - 1's slots
-            _copy_weights(w_desc, w_ring, w_ready, i + W_STAGES - 1, s + W_STAGES - 1, steps_k, BM, BK, W_STAGES)
-        if i + X_STAGES - 1 < steps:
-            _copy_x(x_desc, xt_desc, x_ring, xt_ring, x_ready, i + X_STAGES - 1, s + X_STAGES - 1, steps_k, BK,
-                    X_STAGES, TAIL)
+        # The loaders run ahead on their own, so one step's products are waited on at once: they
+        # take a fraction of the time its weight tile takes to arrive.
+        acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+        mbarrier.arrive(w_empty.index(w_slot), count=1)
+        mbarrier.arrive(x_empty.index(x_slot), count=1)
         k = s % steps_k
         if (k == steps_k - 1) | (i == steps - 1):  # the end of this run's share of a tile
-            acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
             _finish_tile(y_ptr, part_ptr, count_ptr, acc, acc_t, s // steps_k, k0, k + 1, pid, programs, total,
                          steps_k, max_runs, M, N, stride_ym, BM, MP, TAIL, ACC, ACC_T, ACCUMULATE)
             acc = gl.zeros([BM, MP], gl.float32, ACC)
             acc_t = gl.zeros([BM, 8], gl.float32, ACC_T)
             k0 = 0
+
+
+@gluon.jit
+def _projection_kernel(w_desc, x_desc, xt_desc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, steps_k, total,
+                       max_runs, BM: gl.constexpr, BK: gl.constexpr, MP: gl.constexpr, TAIL: gl.constexpr,
+                       W_STAGES: gl.constexpr, X_STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """Program: one run of steps (`_run_start`), its copies issued by two loader warps (warp
+    specialised: the weights' loader never waits on a product or on x) and its products by the
+    default partition's warp groups."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    begin = _run_start(pid, programs, total)
+    steps = _run_start(pid + 1, programs, total) - begin
+    dtype: gl.constexpr = w_desc.dtype
+    w_ring = gl.allocate_shared_memory(dtype, [W_STAGES, BM, BK], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(dtype, [X_STAGES, MP, BK], x_desc.layout)
+    xt_ring = gl.allocate_shared_memory(dtype, [X_STAGES, 8, BK], xt_desc.layout)  # unused without TAIL
+    w_ready = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [X_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(W_STAGES):
-        mbarrier.invalidate(w_ready.index(i))
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
     for i in gl.static_range(X_STAGES):
-        mbarrier.invalidate(x_ready.index(i))
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
+    _dependents_may_start()
+    gl.warp_specialize([
+        (_multiply, (w_ring, x_ring, xt_ring, w_ready, w_empty, x_ready, x_empty, y_ptr, part_ptr, count_ptr, begin,
+                     steps, pid, programs, total, steps_k, max_runs, M, N, stride_ym, BM, MP, TAIL, W_STAGES,
+                     X_STAGES, ACCUMULATE, num_warps)),
+        (_load_weights, (w_desc, w_ring, w_ready, w_empty, begin, steps, steps_k, BM, BK, W_STAGES)),
+        (_load_x, (x_desc, xt_desc, x_ring, xt_ring, x_ready, x_empty, begin, steps, steps_k, BK, X_STAGES, TAIL)),
+    ], [1, 1], [24, 24])
+
+
+def max_registers(warps: int) -> int:
+    """Registers a thread at launch: the products' warps and the loaders' two, launched as a warp
+    group of four, share the SM's 64K (the loaders then give theirs up to 24: setmaxnreg)."""
+    return 65536 // ((warps + 4) * 32) // 8 * 8
 
 
 def token_tiles(m: int) -> tuple[int, int]:
@@ -296,6 +331,6 @@ def projection(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
     part, count = _workspace(x.device, programs * max_runs * bm * (mp + tail), triton.cdiv(n, bm))
     _projection_kernel[(programs, )](w_desc, x_desc, xt_desc, out, part, count, m, n, out.stride(0), t["STEPS_K"],
                                      t["TOTAL"], max_runs, BM=bm, BK=bk, MP=mp, TAIL=tail, W_STAGES=t["W_STAGES"],
-                                     X_STAGES=t["X_STAGES"],
-                                     ACCUMULATE=accumulate, num_warps=t["WARPS"], launch_pdl=t.get("PDL", True))
+                                     X_STAGES=t["X_STAGES"], ACCUMULATE=accumulate, num_warps=t["WARPS"],
+                                     maxnreg=max_registers(t["WARPS"]), launch_pdl=t.get("PDL", True))
     return out
