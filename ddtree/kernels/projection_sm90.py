@@ -22,7 +22,7 @@ How:
 - a loader warp copies each step's weight tile with TMA into a ring of W_STAGES slots and another
   its x tile (from L2) into a shallower ring of its own, each as the products release a slot, so
   the weights' copies never wait on a product or on x (warp specialised: with the copies issued by
-  the warps that multiply, each call took 1-2 us longer at 17 and 65 rows);
+  the warps that multiply, each call took 0.6-2 us longer at 17 and 65 rows);
 - it is a programmatic dependent launch: its first weight tiles are copied while the launch before
   it ends (the weights are not that launch's output), and it waits for that launch's end
   (griddepcontrol.wait) before it copies x or touches y, the partials or the counts; it lets the
