@@ -133,13 +133,16 @@ def cuobjdump(cubin: bytes, flag: str) -> str | None:
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
-    """{"registers": R, "local": L} (a thread's registers and local-memory bytes) of a compiled
+    """{"registers": R, "local": L, "stack": S} (a thread's registers, local-memory bytes and stack
+    bytes: ptxas's spills land in the stack frame, STL / LDL on it, and not in LOCAL) of a compiled
     kernel, read from its cubin with Triton's cuobjdump ({} where that tool is missing)."""
     report = cuobjdump(cubin, "-res-usage")
     if report is None:
         return {}
     fields = dict(item.split(":", 1) for line in report.splitlines() if "REG:" in line for item in line.split())
-    return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"])} if "REG" in fields else {}
+    if "REG" not in fields:
+        return {}
+    return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"]), "stack": int(fields.get("STACK", 0))}
 
 
 def compile_gluon(kernel, signature: dict, constexprs: dict, attrs: dict, options: dict, name: str):
@@ -202,7 +205,7 @@ def compile_launches(path: Path, arch: int) -> int:
                   f"(inputs {sorted(set(t for t in launch['signature'].values() if t.startswith('*')))})")
         else:
             usage = resource_usage(compiled.asm["cubin"])
-            detail = f" regs {usage['registers']} local {usage['local']}" if usage else ""
+            detail = f" regs {usage['registers']} local {usage['local']} stack {usage['stack']}" if usage else ""
             if usage and limit is not None:
                 fits = programs_per_sm(usage["registers"], shared, launch["options"].get("num_warps", 4), limit)
                 detail += f" ({fits} an SM)"

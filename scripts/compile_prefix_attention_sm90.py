@@ -1,7 +1,7 @@
 """Compile the Gluon prefix kernel (`ddtree/kernels/prefix_attention_sm90.py`) for sm_90 without a
 GPU, at every tiling it picks from, at Qwen3-8B's and Qwen3.6-27B's heads, for one sequence and for
 a batch's rows, and report its shared memory, its registers (maxnreg, and what setmaxnreg gives
-each partition) and any spills:
+each partition) and any spills (ptxas spills to the stack frame, not to the LOCAL count):
 
     python scripts/compile_prefix_attention_sm90.py [--sass-hash]
 
@@ -93,7 +93,8 @@ def main() -> int:
         shared = compiled.metadata.shared
         fits = "fits" if shared * t["PER_SM"] <= SHARED_LIMITS[90] else "OVER"
         print(f"ok     {name} {t}: shared {shared} bytes ({fits} at {t['PER_SM']} an SM), maxnreg {maxnreg} "
-              f"(consumers {consumer_regs}, loader 24{f', tail {tail_regs}' if tail else ''}), local {usage.get('local')}"
+              f"(consumers {consumer_regs}, loader 24{f', tail {tail_regs}' if tail else ''}), "
+              f"local {usage.get('local')}, stack (spills) {usage.get('stack')}"
               + (f", sass {sass_hash(compiled.asm['cubin'])}" if "--sass-hash" in sys.argv else ""))
     return 1 if failed else 0
 

@@ -51,7 +51,8 @@ def main() -> int:
         shared = compiled.metadata.shared
         fits = "fits" if shared <= SHARED_LIMITS[90] else "OVER"
         print(f"ok     {name}: MP {mp} + {t['TAIL']}, W_STAGES {t['W_STAGES']}, X_STAGES {t['X_STAGES']}, shared "
-              f"{shared} bytes ({fits}), registers {usage.get('registers')}, local {usage.get('local')}")
+              f"{shared} bytes ({fits}), registers {usage.get('registers')}, local {usage.get('local')}, "
+              f"stack (spills) {usage.get('stack')}")
     return 1 if failed else 0
 
 

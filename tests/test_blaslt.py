@@ -184,6 +184,25 @@ def test_choose_keeps_pytorch_where_timing_runs_out_of_memory(monkeypatch):
     assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
 
 
+@pytest.mark.parametrize("error", [RuntimeError("libcublasLt was not found beside PyTorch"),
+                                   OSError("libcublasLt.so.13: cannot open shared object file")])
+def test_a_cublaslt_that_cannot_be_loaded_keeps_pytorchs_call(monkeypatch, caplog, error):
+    """On by default, the choice must not take a server down where cuBLASLt cannot be loaded or
+    planned: the shape keeps PyTorch's call, with a warning, whether or not the cache could name
+    the build."""
+    def unloadable(*args, **kw):
+        raise error
+
+    monkeypatch.setattr(blaslt, "time_candidates", unloadable)
+    monkeypatch.setattr(blaslt, "_build", unloadable)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="ddtree.blaslt"):
+        assert blaslt._choose(x, w, None, False, torch.float32) is None
+        assert blaslt._choice_for((3, 8, 16, x.dtype, torch.float32, False, 0), x, w, None, False,
+                                  torch.float32) is None
+    assert sum("PyTorch's call kept" in r.message for r in caplog.records) == 2
+
+
 def test_the_op_traces_whole_inside_a_compiled_function(enabled):
     """`blaslt_linear` is what `linear` becomes inside a `torch.compile`d function on a GPU (the
     drafter's layers): one opaque op with a shape rule, no graph break (fullgraph), PyTorch's

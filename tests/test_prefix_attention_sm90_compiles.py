@@ -25,7 +25,11 @@ def test_gluon_prefix_kernel_compiles_for_sm90():
 
     lines = [line for line in done.stdout.splitlines() if line.startswith("ok")]
     assert len(lines) == len(TILINGS), done.stdout
-    assert all("local 0" in line for line in lines), done.stdout  # no spills to local memory
+    assert all("local 0" in line for line in lines), done.stdout
+    # No spills (ptxas's land in the stack frame) but where a tail warp group cuts the consumers'
+    # registers: those tilings spill a little (the README's limits).
+    spills = {line.split(" {")[0][7:]: int(line.split("stack (spills) ")[1].split(",")[0]) for line in lines}
+    assert all(count == 0 for name, count in spills.items() if "tail" not in name), spills
     assert not any("OVER" in line for line in lines), done.stdout  # each fits its programs an SM
     hashes = [re.search(r"sass ([0-9a-f]{16}) \((\d+) instructions\)", line) for line in lines]
     assert all(h and int(h.group(2)) > 1000 for h in hashes), done.stdout  # the machine code, disassembled

@@ -7,14 +7,15 @@ verify's few rows the projections run 4-9 us above their weights' copy time (ben
 (tiles, split-K); on an H100 at Qwen3-8B's shapes one of its others beat its first by up to 4 us
 (`benchmarks/blaslt_algos.py`). `linear` times them the first time it meets a shape (outside a
 CUDA graph's capture) and keeps the fastest where it beats PyTorch's own call; where nothing beat
-it, PyTorch's call runs. Off unless DDTREE_BLAS_CHOICE=1: in whole rounds over 32k tokens on one
-H100 lease it took 0.21 ms off a 64 round and nothing off a 256 one, on another 0.02-0.33 ms off
-every budget's, but its timings added about a minute to a batching server's first start, whose round
-costs meet many row counts, and on a fresh machine they took `--tree-budget auto`'s calibration time
-(benchmarks/README.md, "cuBLASLt's other kernels for the projections"); not yet timed on the H200. Every
+it, PyTorch's call runs. On by default (DDTREE_BLAS_CHOICE=0 keeps PyTorch's call everywhere): in
+whole rounds over 32k tokens on three H100 leases it took 0.02-0.33 ms off every budget's round
+but one lease's 256 (benchmarks/README.md, "cuBLASLt's other kernels for the projections");
+not yet timed on the H200. Its timings add about a minute to a batching server's first start on a
+machine (whose round costs meet many row counts); later starts restore them from disk. Every
 bias-free projection of the targets and the drafter comes through `linear`; inside a
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
-`ddtree::blaslt_linear`, which the compiled code calls as it runs.
+`ddtree::blaslt_linear`, which the compiled code calls as it runs. Where cuBLASLt cannot be loaded
+or a shape's plan fails, that shape (or every shape) keeps PyTorch's call, with a warning.
 
 Choices are kept on disk (`cache_path`: $DDTREE_CACHE_DIR, default ~/.cache/ddtree, file
 blaslt_choices.json), keyed by the GPU's name, the cuBLASLt build and the shape: cuBLASLt's
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from ddtree.kernels.graph_timing import graph_call_us
 
 log = logging.getLogger("ddtree.blaslt")
-ENABLED = os.environ.get("DDTREE_BLAS_CHOICE", "0") == "1"
+ENABLED = os.environ.get("DDTREE_BLAS_CHOICE", "1") != "0"
 MAX_ROWS = 512  # a verify's rows; a prefill's chunks keep PyTorch's call
 
 # cublasLt.h / library_types.h values.
@@ -360,8 +361,15 @@ def _choice_for(key: tuple, x, w, out, accumulate, out_dtype) -> _Choice | None:
         choice = _choose_timed(x, w, out, accumulate, out_dtype)
     except torch.OutOfMemoryError:  # this start keeps PyTorch's call; a later one may time it
         return _no_room(x, w)
+    except (OSError, AttributeError, RuntimeError) as exc:  # no cuBLASLt, or no plan for this shape
+        return _untimed(x, w, exc)
     _save(name, choice)
     return choice
+
+
+def _untimed(x, w, exc: Exception) -> None:
+    log.warning("projection [%d, %d] x [%d, %d]^T: cuBLASLt's kernels could not be timed (%s); PyTorch's call kept",
+                *x.shape, w.shape[0], w.shape[1], exc)
 
 
 def _no_room(x, w) -> None:
@@ -371,11 +379,14 @@ def _no_room(x, w) -> None:
 
 def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
     """The fastest candidate of `time_candidates` that agrees with PyTorch's output and beats its
-    time by 3% and 0.3 us, else None (PyTorch's call), as also where the GPU has no room to time."""
+    time by 3% and 0.3 us, else None (PyTorch's call), as also where the GPU has no room to time or
+    cuBLASLt cannot be loaded or planned for the shape."""
     try:
         return _choose_timed(x, w, out, accumulate, out_dtype)
     except torch.OutOfMemoryError:
         return _no_room(x, w)
+    except (OSError, AttributeError, RuntimeError) as exc:  # no cuBLASLt, or no plan for this shape
+        return _untimed(x, w, exc)
 
 
 def _choose_timed(x, w, out, accumulate, out_dtype) -> _Choice | None:
