@@ -184,12 +184,11 @@ def test_choose_keeps_pytorch_where_timing_runs_out_of_memory(monkeypatch):
     assert blaslt._choose(torch.randn(3, 16), torch.randn(8, 16), None, False, torch.float32) is None
 
 
-@pytest.mark.parametrize("error", [RuntimeError("libcublasLt was not found beside PyTorch"),
+@pytest.mark.parametrize("error", [blaslt.CublasLtMissing("libcublasLt was not found beside PyTorch"),
                                    OSError("libcublasLt.so.13: cannot open shared object file")])
-def test_a_cublaslt_that_cannot_be_loaded_keeps_pytorchs_call(monkeypatch, caplog, error):
-    """On by default, the choice must not take a server down where cuBLASLt cannot be loaded or
-    planned: the shape keeps PyTorch's call, with a warning, whether or not the cache could name
-    the build."""
+def test_a_cublaslt_that_cannot_be_loaded_keeps_pytorchs_call(enabled, monkeypatch, caplog, error):
+    """On by default, the choice must not take a server down where cuBLASLt cannot be loaded: the
+    shape keeps PyTorch's call, and so does every later one, with one warning."""
     def unloadable(*args, **kw):
         raise error
 
@@ -197,10 +196,25 @@ def test_a_cublaslt_that_cannot_be_loaded_keeps_pytorchs_call(monkeypatch, caplo
     monkeypatch.setattr(blaslt, "_build", unloadable)
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     with caplog.at_level("WARNING", logger="ddtree.blaslt"):
-        assert blaslt._choose(x, w, None, False, torch.float32) is None
         assert blaslt._choice_for((3, 8, 16, x.dtype, torch.float32, False, 0), x, w, None, False,
                                   torch.float32) is None
-    assert sum("PyTorch's call kept" in r.message for r in caplog.records) == 2
+    assert blaslt.ENABLED is False
+    assert [r.message for r in caplog.records if "PyTorch's call" in r.message] == [
+        f"cuBLASLt could not be loaded ({error}): every projection keeps PyTorch's call"]
+
+
+def test_a_shape_cuBLASLt_cannot_plan_keeps_pytorchs_call(enabled, monkeypatch, caplog):
+    """A shape whose plan or timing fails (a cuBLAS status) keeps PyTorch's call, with a warning;
+    the choice stays on for other shapes."""
+    def no_plan(*args, **kw):
+        raise RuntimeError("cublasLtMatmulAlgoGetHeuristic failed with cublasStatus 15")
+
+    monkeypatch.setattr(blaslt, "time_candidates", no_plan)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="ddtree.blaslt"):
+        assert blaslt._choose(x, w, None, False, torch.float32) is None
+    assert blaslt.ENABLED is True
+    assert any("could not be timed" in r.message and "cublasStatus 15" in r.message for r in caplog.records)
 
 
 def test_the_op_traces_whole_inside_a_compiled_function(enabled):

@@ -15,7 +15,7 @@ machine (whose round costs meet many row counts); later starts restore them from
 bias-free projection of the targets and the drafter comes through `linear`; inside a
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
 `ddtree::blaslt_linear`, which the compiled code calls as it runs. Where cuBLASLt cannot be loaded
-or a shape's plan fails, that shape (or every shape) keeps PyTorch's call, with a warning.
+every shape keeps PyTorch's call (one warning); where a shape's plan fails, that shape does.
 
 Choices are kept on disk (`cache_path`: $DDTREE_CACHE_DIR, default ~/.cache/ddtree, file
 blaslt_choices.json), keyed by the GPU's name, the cuBLASLt build and the shape: cuBLASLt's
@@ -74,6 +74,10 @@ class _HeuristicResult(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
+class CublasLtMissing(RuntimeError):
+    """No libcublasLt could be found beside PyTorch."""
+
+
 def _library_path() -> str:
     """The libcublasLt this process's PyTorch loaded (after one matmul), else one beside it."""
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
@@ -86,7 +90,7 @@ def _library_path() -> str:
         found = sorted(glob.glob(os.path.join(root, "**", "libcublasLt.so*"), recursive=True))
         if found:
             return found[0]
-    raise RuntimeError("libcublasLt was not found beside PyTorch")
+    raise CublasLtMissing("libcublasLt was not found beside PyTorch")
 
 
 @functools.cache
@@ -368,6 +372,13 @@ def _choice_for(key: tuple, x, w, out, accumulate, out_dtype) -> _Choice | None:
 
 
 def _untimed(x, w, exc: Exception) -> None:
+    """PyTorch's call for a shape cuBLASLt could not be timed for; where the library itself could not
+    be loaded, for every shape from now on (one warning, not one a shape)."""
+    global ENABLED
+    if isinstance(exc, (OSError, CublasLtMissing)):
+        ENABLED = False
+        log.warning("cuBLASLt could not be loaded (%s): every projection keeps PyTorch's call", exc)
+        return None
     log.warning("projection [%d, %d] x [%d, %d]^T: cuBLASLt's kernels could not be timed (%s); PyTorch's call kept",
                 *x.shape, w.shape[0], w.shape[1], exc)
 
