@@ -361,14 +361,7 @@ def _choice_for(key: tuple, x, w, out, accumulate, out_dtype) -> _Choice | None:
         if restored is not None:
             return restored
         log.info("projection %s: the saved kernel no longer agrees or runs; timing again", name)
-    try:
-        choice = _choose_timed(x, w, out, accumulate, out_dtype)
-    except torch.OutOfMemoryError:  # this start keeps PyTorch's call; a later one may time it
-        return _no_room(x, w)
-    except (OSError, AttributeError, RuntimeError) as exc:  # no cuBLASLt, or no plan for this shape
-        return _untimed(x, w, exc)
-    _save(name, choice)
-    return choice
+    return _choose(x, w, out, accumulate, out_dtype, save_as=name)
 
 
 def _untimed(x, w, exc: Exception) -> None:
@@ -388,16 +381,20 @@ def _no_room(x, w) -> None:
              w.shape[0], w.shape[1])
 
 
-def _choose(x, w, out, accumulate, out_dtype) -> _Choice | None:
+def _choose(x, w, out, accumulate, out_dtype, save_as: str | None = None) -> _Choice | None:
     """The fastest candidate of `time_candidates` that agrees with PyTorch's output and beats its
     time by 3% and 0.3 us, else None (PyTorch's call), as also where the GPU has no room to time or
-    cuBLASLt cannot be loaded or planned for the shape."""
+    cuBLASLt cannot be loaded or planned for the shape. save_as: the cache's name for the shape,
+    under which a timed outcome is saved (one that could not be timed is not: a later start may)."""
     try:
-        return _choose_timed(x, w, out, accumulate, out_dtype)
+        choice = _choose_timed(x, w, out, accumulate, out_dtype)
     except torch.OutOfMemoryError:
         return _no_room(x, w)
     except (OSError, AttributeError, RuntimeError) as exc:  # no cuBLASLt, or no plan for this shape
         return _untimed(x, w, exc)
+    if save_as is not None:
+        _save(save_as, choice)
+    return choice
 
 
 def _choose_timed(x, w, out, accumulate, out_dtype) -> _Choice | None:
