@@ -14,7 +14,8 @@ Qwen3-8B's heads, against copies of the kernel module changed in one thing each,
 - `E<r>`: the tail warp group at r registers (the consumers get what it frees, or give what it
   takes: at 72 the consumers keep 208, at 88 200). At 56 its tile loop reloads spilled values
   every tile; at 72 the sm_90 compile moves most of those spills to the consumers (stack 80
-  bytes against 72), which is what E72 and E88 time;
+  bytes against 72), which is what E72 and E88 time (both slower than 56: benchmarks/README.md,
+  "More registers for the tail warp group");
 - `D16`: the tail's products at N = 16 instead of 8 (does their cost go by instruction or by column?);
 - `M`: the kernel with the tail's merge left out (no arrival count, no merge: the tail rows' output
   is then wrong): the cost of the merge at the end of the last program;
@@ -202,7 +203,8 @@ def main() -> None:
             SOURCE.with_name(f"_variant_{name}.py").unlink(missing_ok=True)
     result = {"benchmark": "prefix_tail_variants",
               "command": f"python benchmarks/prefix_tail_variants.py OUT --context {args.context} --repeats {args.repeats}"
-                         + (f" --against {args.against}" if args.against else ""),
+                         + (f" --against {args.against}" if args.against else "")
+                         + (f" --cases {args.cases}" if args.cases else ""),
               "gpu": torch.cuda.get_device_name(), "git_revision": git_revision(), "context": args.context,
               "heads": list(HEADS), "median_us": {key: statistics.median(v) for key, v in times.items()},
               "all_us": times, "max_diff_from_base": diffs, "errors": errors}
