@@ -24,9 +24,10 @@ interpreter to run in reasonable time.
 
 Each launch's line also gives its registers a thread, its local bytes and its stack bytes (where
 ptxas's spills land), from the cubin (`cuobjdump -res-usage`, shipped with Triton): with num_warps
-they bound how many programs share an SM; and the seconds its compile took on this machine (Triton's cache off, so every launch is
-compiled), what a GPU machine's first use of that launch spends before it runs. Compiling is not
-running: the numbers are the GPU's to find. Exit status 1 if a launch does not compile.
+they bound how many programs share an SM; and the seconds its compile took on this machine
+(Triton's cache off, so every launch is compiled), what a GPU machine's first use of that launch
+spends before it runs. Compiling is not running: the numbers are the GPU's to find. Exit status 1
+if a launch does not compile.
 """
 from __future__ import annotations
 
