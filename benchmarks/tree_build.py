@@ -2,13 +2,13 @@
 of `ddtree.kernels.tree_build`, each captured in a CUDA graph, at the demo and Qwen3 vocabularies.
 
     python benchmarks/tree_build.py [--budgets 16,32,...] [--vocabs 8192,151936] [--launches]
-        [--ranks auto,radix,bitonic] [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
+        [--ranks auto,radix,bitonic,filter] [--rank-warps 4,8,16] [--select-warps 4,8,16] [--output FILE.json]
 
 Prints and writes the median microseconds per build (graph replay, 15 depths) for `build_tree` and
 for each selection variant of the Triton build ("sort", "topk") and each way of its rank kernels
-(`--ranks auto,radix,bitonic`: each launch's choice by `RADIX_MIN_K`, the default, or the radix
-select or the bitonic top-k in both), and whether each output is
-identical to `build_tree`'s; with --launches, also each of its four kernel launches alone. With
+(`--ranks auto,radix,bitonic,filter`: each launch's choice by `RADIX_MIN_K`, the radix select or
+the bitonic top-k in both, or the group-maxima filter), and whether each output is identical to
+`build_tree`'s; with --launches, also each of its kernel launches alone. With
 --rank-warps / --select-warps, every combination of the two is timed as its own variant
 (`topk_r8_s16_us`, ...); without them, the plan's defaults.
 """
@@ -56,9 +56,9 @@ def main() -> None:
     ap.add_argument("--vocabs", default="8192,151936")
     ap.add_argument("--depths", type=int, default=15)
     ap.add_argument("--selections", default="sort,topk", help="the Triton build's selection variants to time")
-    ap.add_argument("--ranks", default="auto", help="the rank kernels' variants to time (auto, radix, bitonic); a "
-                    "variant other than auto is named {selection}_{rank}")
-    ap.add_argument("--launches", action="store_true", help="also time each of the build's four kernel launches alone")
+    ap.add_argument("--ranks", default="auto", help="the rank kernels' variants to time (auto, radix, bitonic, "
+                    "filter); a variant other than auto is named {selection}_{rank}")
+    ap.add_argument("--launches", action="store_true", help="also time each of the build's kernel launches alone")
     ap.add_argument("--rank-warps", default=None, help="warps per rank program to try, e.g. 4,8,16")
     ap.add_argument("--select-warps", default=None, help="warps of the select program to try, e.g. 4,8,16")
     ap.add_argument("--output", default=None)

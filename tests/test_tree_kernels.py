@@ -90,7 +90,7 @@ def test_the_cases_cover_full_depth_and_skipped_levels():
     assert sum(d < total for d, total in deepest.values()) >= 4
 
 
-@pytest.mark.parametrize("rank", ["radix", "bitonic"])
+@pytest.mark.parametrize("rank", ["radix", "bitonic", "filter"])
 @pytest.mark.parametrize("budget,depths,vocab,kw", SMALL)
 def test_fused_build_equals_build_tree(budget, depths, vocab, kw, rank):
     check(budget, depths, vocab, "topk", rank, **kw)
@@ -107,7 +107,7 @@ def test_sort_selection_equals_build_tree(budget, depths, vocab, kw):
     check(budget, depths, vocab, "sort", **kw)
 
 
-@pytest.mark.parametrize("rank", ["radix", "bitonic"])
+@pytest.mark.parametrize("rank", ["radix", "bitonic", "filter"])
 @pytest.mark.parametrize("kw", [dict(seed=11, levels=1), dict(seed=12), dict(seed=13, dead_from=1)])
 def test_rank_over_several_chunks_equals_build_tree(rank, kw):
     """A vocabulary of three rank chunks (1024 tokens each at K = 16): ties of one value in every
@@ -116,6 +116,34 @@ def test_rank_over_several_chunks_equals_build_tree(rank, kw):
     plan = TreeBuildPlan(16, 3, 3000, DEVICE)
     assert plan.chunks == 3
     check(16, 3, 3000, rank=rank, **kw)
+
+
+def test_filter_rank_where_the_threshold_lets_many_keys_through():
+    """The filter rank's two fallbacks: a depth of one value everywhere (every group's maximum
+    ties, so each chunk up to the threshold's passes all its keys and appends its own best KP
+    instead) makes the depth's list longer than the short block (the last launch ranks the whole
+    list's block); beside it a random depth and one with few distinct values."""
+    budget, depths, vocab = 32, 3, 32768
+    plan = TreeBuildPlan(budget, depths, vocab, DEVICE, rank="filter")
+    assert (plan.chunks, plan.groups, plan.short, plan.merge) == (32, 64, 256, 1024)
+    logits = torch.randn(depths, vocab, generator=torch.Generator().manual_seed(14)) * 3
+    logits[0] = 0.0
+    logits[2] = logits[2].round()
+    logp = torch.log_softmax(logits, dim=-1).to(DEVICE)
+    root = torch.tensor(5, device=DEVICE)
+    n = budget + 1
+    out = dict(tokens=torch.empty(n, dtype=torch.long, device=DEVICE),
+               parents=torch.empty(n, dtype=torch.long, device=DEVICE),
+               depths=torch.empty(n, dtype=torch.long, device=DEVICE),
+               valid=torch.empty(n, dtype=torch.bool, device=DEVICE),
+               visible=torch.empty(n, n, dtype=torch.bool, device=DEVICE))
+    plan.build(logp, root, **out)
+    assert int(plan.listed[0]) > plan.short  # the whole list's block was ranked
+    ref = build_tree(logp, root, budget)
+    for name, got in out.items():
+        assert torch.equal(got, getattr(ref, name)), name
+    ranked_logp, ranked_tok = rank_tokens(logp, plan.k)
+    assert torch.equal(plan.ranked_tok, ranked_tok) and torch.equal(plan.ranked_logp, ranked_logp)
 
 
 def test_many_trees_in_one_build_equal_each_built_alone():
@@ -150,7 +178,8 @@ def test_unknown_selection_is_refused():
 
 
 @pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (the interpreter is slow)")
-@pytest.mark.parametrize("selection,rank", [("topk", "auto"), ("sort", "auto"), ("topk", "radix"), ("topk", "bitonic")])
+@pytest.mark.parametrize("selection,rank", [("topk", "auto"), ("sort", "auto"), ("topk", "radix"), ("topk", "bitonic"),
+                                            ("topk", "filter")])
 @pytest.mark.parametrize("budget", [16, 64, 256, 512, 1024])
 @pytest.mark.parametrize("vocab", [8192, 151936])
 def test_fused_build_equals_build_tree_at_real_sizes(budget, vocab, selection, rank):

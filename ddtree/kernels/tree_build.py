@@ -3,10 +3,15 @@
 `ddtree.tree.build_tree` does the same work as ~10 PyTorch operators per depth level (a `topk`
 over B x B candidates each time); on a small target that is most of a round. Here:
 
-- rank (grid: depths x vocab chunks, then depths): the best K = min(B, V) tokens of each depth,
-  ties by token id: the best of unique int64 keys per chunk, then of the chunks' heads, each by
-  a bitonic top-k (`_best`) or, where K is large enough for it to pay, a radix select over the
-  block in registers (`_radix_best`; `RADIX_MIN_K`);
+- rank: the best K = min(B, V) tokens of each depth, ties by token id (unique int64 keys). Two
+  forms. "filter" (three launches): the largest key of each of G >= 2 K groups of the vocabulary
+  (grid: depths x chunks); then each chunk keeps only its keys at or above the KP-th largest
+  group maximum (at least KP keys of the depth reach it, so every key of the depth's best K does)
+  and appends them to the depth's list, or, where more than KP pass, its own best KP (grid:
+  depths x chunks); then the best K of that short list (grid: depths). "chunks" (two launches):
+  the best KP of every chunk, then of the chunks' heads, each by a bitonic top-k (`_best`) or,
+  where K is large enough for it to pay, a radix select over the block in registers
+  (`_radix_best`; `RADIX_MIN_K`);
 - select (one program per tree): the level-by-level top-B of `build_tree`, then the global top-B, node
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
@@ -18,7 +23,7 @@ over B x B candidates each time); on a small target that is most of a round. Her
   never beats its parent) are skipped: a shallow tree builds only the levels it has;
 - visibility (grid: row blocks): each row's ancestors, by following parent pointers.
 
-A batched round builds every row's tree in the same four launches: the rank grids run over rows x
+A batched round builds every row's tree in the same launches: the rank grids run over rows x
 depths, select and visibility gain a row axis (`TreeBuildPlan(rows=R)`).
 
 The output equals `build_tree` exactly (tests run both on random and tie-heavy inputs, on the GPU
@@ -28,6 +33,7 @@ the float's order-preserving 32 bits, then the position inverted in the low bits
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -43,6 +49,13 @@ MAX_SORT = 8192  # the largest key block one program sorts (registers, not a cor
 # (benchmarks/README.md, "The rank kernels' radix select"): chunks 38 / 89 at K = 16, 74 / 103 at
 # 64, 185 / 144 at 256; merge 14 / 20, 46 / 37, 88 / 35.
 RADIX_MIN_K = {"chunks": 256, "merge": 64}
+RANKS = ("auto", "radix", "bitonic", "filter")
+# The rank's form where a plan is given none (the engines' plans): DDTREE_TREE_RANK, one of RANKS.
+DEFAULT_RANK = os.environ.get("DDTREE_TREE_RANK", "auto")
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def _pow2(n: int) -> int:
@@ -62,19 +75,23 @@ class TreeBuildPlan:
     `rows` trees at once."""
 
     def __init__(self, budget: int, depth_count: int, vocab: int, device, selection: str = "topk",
-                 rank_warps: int = 8, select_warps: int | None = None, rows: int = 1, rank: str = "auto"):
+                 rank_warps: int = 8, select_warps: int | None = None, rows: int = 1, rank: str | None = None):
         """selection: "topk" (`tl.topk`, the default: 1.3-2.9x faster than "sort" on an H200 at
         budgets 16-256, benchmarks/README.md) or "sort" (a full bitonic sort per selection, kept as
         a cross-check). benchmarks/tree_build.py times both; both give the same tree.
         rank_warps / select_warps: warps per program of the rank kernels and of select (None:
         by select's largest block); benchmarks/tree_build.py --rank-warps / --select-warps times them.
         rows: the most trees one `build` makes (a batched round's rows); the scratch is sized for them.
-        rank: how the rank kernels take a block's best keys: "auto" (each launch by `RADIX_MIN_K`),
-        "radix" (`_radix_best`) or "bitonic" (`_best` with this selection) in both."""
+        rank: how the depths' best K are found: "filter" (group maxima, a threshold and a short
+        list: the module docstring), or the chunks' heads merged, each block's best keys taken by
+        "auto" (each launch by `RADIX_MIN_K`), "radix" (`_radix_best`) or "bitonic" (`_best` with
+        this selection) in both; None: `DEFAULT_RANK`."""
+        rank = DEFAULT_RANK if rank is None else rank
         if selection not in ("sort", "topk"):
             raise ValueError(f"selection must be 'sort' or 'topk', got {selection!r}")
-        if rank not in ("auto", "radix", "bitonic"):
-            raise ValueError(f"rank must be 'auto', 'radix' or 'bitonic', got {rank!r}")
+        if rank not in RANKS:
+            raise ValueError(f"rank must be one of {', '.join(map(repr, RANKS))}, got {rank!r}")
+        self.filter = rank == "filter"
         self.budget, self.depth_count, self.vocab, self.rows = budget, depth_count, vocab, rows
         self.topk = selection == "topk"
         self.k = min(budget, vocab)
@@ -84,11 +101,17 @@ class TreeBuildPlan:
         self.chunk = max(self.kp, min(1024, _pow2(vocab)), _pow2(math.ceil(vocab * self.kp / MAX_SORT)))
         self.chunks = math.ceil(vocab / self.chunk)
         self.merge = _pow2(self.chunks) * self.kp
+        # "filter": groups of `group` tokens, at least 2 KP of them (where the vocabulary allows),
+        # whose maxima set the threshold; the list the last launch ranks at once holds `short`
+        # keys (more survivors, rare: the whole list's block, `merge`).
+        self.group = min(self.chunk, _pow2_floor(vocab // (2 * self.kp)))
+        self.groups = self.chunks * (self.chunk // self.group)
+        self.short = min(self.merge, max(4 * self.kp, 256))
         cand_i, cand_j = candidates(budget, self.k)
         self.cand_count = cand_i.numel()
         self.budget_pad = max(2, _pow2(budget))
         self.cand_pad = max(self.budget_pad, _pow2(self.cand_count))
-        self.supported = triton is not None and max(self.chunk, self.merge, self.cand_pad) <= MAX_SORT
+        self.supported = triton is not None and max(self.chunk, self.merge, self.cand_pad, _pow2(self.groups)) <= MAX_SORT
         # H200, demo vocabulary (benchmarks/README.md, tree build): 4 warps best at budget 32
         # (256 candidate keys), 8 at 64 and 128 (512, 1024); 16 at 256 (Qwen3 vocabulary).
         self.select_warps = select_warps or (4 if self.cand_pad <= 256 else 8 if self.cand_pad <= 1024 else 16)
@@ -98,6 +121,9 @@ class TreeBuildPlan:
         self.heads = torch.empty(rows * d, self.chunks, self.kp, dtype=torch.int64, device=device)
         # `_radix_best`'s gathered keys, one [kp] slot per rank program: chunks', then merges'
         self.gathered = torch.empty(rows * d * (self.chunks + 1), self.kp, dtype=torch.int64, device=device)
+        # "filter": each depth's group maxima, and its list's length (zeroed by the first launch)
+        self.group_max = torch.empty(rows * d, self.groups, dtype=torch.int64, device=device)
+        self.listed = torch.zeros(rows * d, dtype=torch.int32, device=device)
         self.ranked_logp = torch.empty(rows * d, self.k, dtype=torch.float32, device=device)
         self.ranked_tok = torch.empty(rows * d, self.k, dtype=torch.int64, device=device)
         self.level_parent = torch.empty(rows, d, b, dtype=torch.int32, device=device)
@@ -113,8 +139,8 @@ class TreeBuildPlan:
             launch()
 
     def launches(self, logp, root, tokens, parents, depths, valid, visible) -> list[tuple[str, object]]:
-        """The build's four kernel launches in order, as (name, zero-argument function): `build`
-        runs them; benchmarks/tree_build.py times each one alone."""
+        """The build's kernel launches in order, as (name, zero-argument function): `build` runs
+        them; benchmarks/tree_build.py times each one alone."""
         d, v, b = self.depth_count, self.vocab, self.budget
         trees = logp.shape[0] if logp.dim() == 3 else 1
         if trees > self.rows:
@@ -134,6 +160,21 @@ class TreeBuildPlan:
                                       MERGE=self.merge, HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
                                       RADIX=self.radix["merge"], num_warps=self.rank_warps)
 
+        def rank_groups():
+            _rank_groups[(trees * d, self.chunks)](logp, self.group_max, self.listed, v, CHUNK=self.chunk,
+                                                   GROUP=self.group, IB=_bits(v), num_warps=self.rank_warps)
+
+        def rank_filter():
+            _rank_filter[(trees * d, self.chunks)](logp, self.group_max, self.heads, self.listed, v, CHUNK=self.chunk,
+                                                   KP=self.kp, GROUPS=self.groups, GP=_pow2(self.groups),
+                                                   HEADS=self.chunks * self.kp, IB=_bits(v), TOPK=self.topk,
+                                                   num_warps=self.rank_warps)
+
+        def rank_list():
+            _rank_list[(trees * d,)](self.heads, self.listed, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
+                                     KP=self.kp, SHORT=self.short, MERGE=self.merge, HEADS=self.chunks * self.kp,
+                                     IB=_bits(v), TOPK=self.topk, num_warps=self.rank_warps)
+
         def select():
             _select[(1, trees)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
                                 self.level_parent, self.level_rank, self.node_of,
@@ -146,8 +187,9 @@ class TreeBuildPlan:
             _visible[(triton.cdiv(n, block_rows), trees)](parents, visible.view(torch.uint8), n, NP=_pow2(n),
                                                           RB=block_rows, D=d, num_warps=4)
 
-        return [("rank_chunks", rank_chunks), ("rank_merge", rank_merge), ("select", select),
-                ("visible", write_visible)]
+        ranks = ([("rank_groups", rank_groups), ("rank_filter", rank_filter), ("rank_list", rank_list)] if self.filter
+                 else [("rank_chunks", rank_chunks), ("rank_merge", rank_merge)])
+        return ranks + [("select", select), ("visible", write_visible)]
 
 
 def _bits(count: int) -> int:
@@ -225,6 +267,17 @@ if triton is not None:
         return tl.where(t >= 0, t, t ^ 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _write_ranking(best, d, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr, KP: tl.constexpr,
+                       IB: tl.constexpr):
+        """Depth d's best keys [KP] (best first) -> its first K log-probs and token ids."""
+        o = tl.arange(0, KP)
+        first = o < K
+        tok = _position(best, IB)
+        value = tl.load(logp_ptr + d * V + tok, mask=first, other=0.0)
+        tl.store(ranked_logp_ptr + d * K + o, value, mask=first)
+        tl.store(ranked_tok_ptr + d * K + o, tok, mask=first)
+
+    @triton.jit
     def _rank_chunks(logp_ptr, heads_ptr, gathered_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr,
                      CHUNKS: tl.constexpr, IB: tl.constexpr, TOPK: tl.constexpr, RADIX: tl.constexpr):
         """Program (depth, chunk): the chunk's best KP keys, best first, into heads[depth, chunk]."""
@@ -253,12 +306,65 @@ if triton is not None:
             best = _radix_best(heads, gathered_ptr + d * KP, MERGE, KP, IB)
         else:
             best = _best(heads, MERGE, KP, TOPK)
-        o = tl.arange(0, KP)
-        first = o < K
-        tok = _position(best, IB)
-        value = tl.load(logp_ptr + d * V + tok, mask=first, other=0.0)
-        tl.store(ranked_logp_ptr + d * K + o, value, mask=first)
-        tl.store(ranked_tok_ptr + d * K + o, tok, mask=first)
+        _write_ranking(best, d, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K, KP, IB)
+
+    @triton.jit
+    def _rank_groups(logp_ptr, group_max_ptr, listed_ptr, V, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                     IB: tl.constexpr):
+        """Program (depth, chunk): the largest key of each of the chunk's GROUP-token groups (-1 for
+        one past the vocabulary) into group_max[depth]; chunk 0 also empties the depth's list."""
+        d = tl.program_id(0)
+        c = tl.program_id(1)
+        tok = c * CHUNK + tl.arange(0, CHUNK)
+        inside = tok < V
+        v = tl.load(logp_ptr + d * V + tok, mask=inside, other=0.0)
+        key = tl.where(inside, _key(v, tok, IB), -1)
+        most = tl.max(tl.reshape(key, [CHUNK // GROUP, GROUP]), axis=1)
+        tl.store(group_max_ptr + (d * tl.num_programs(1) + c) * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP), most)
+        if c == 0:
+            tl.store(listed_ptr + d, 0)
+
+    @triton.jit
+    def _rank_filter(logp_ptr, group_max_ptr, list_ptr, listed_ptr, V, CHUNK: tl.constexpr, KP: tl.constexpr,
+                     GROUPS: tl.constexpr, GP: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr,
+                     TOPK: tl.constexpr):
+        """Program (depth, chunk): the chunk's keys at or above the KP-th largest group maximum of
+        the depth, appended to its list (list [depth, HEADS], length listed[depth]) in any order; where
+        more than KP pass, the chunk's best KP instead. KP distinct keys reach that threshold, so
+        every key among the depth's best K <= KP passes it, and a chunk holds at most K of them."""
+        d = tl.program_id(0)
+        c = tl.program_id(1)
+        g = tl.arange(0, GP)
+        most = tl.load(group_max_ptr + d * GROUPS + g, mask=g < GROUPS, other=-1)
+        floor = tl.min(_best(most, GP, KP, TOPK))  # -1 where fewer than KP groups hold a key
+        tok = c * CHUNK + tl.arange(0, CHUNK)
+        inside = tok < V
+        v = tl.load(logp_ptr + d * V + tok, mask=inside, other=0.0)
+        key = tl.where(inside, _key(v, tok, IB), -1)
+        keep = inside & (key >= floor)
+        count = tl.sum(keep.to(tl.int32), 0)
+        if count <= KP:
+            at = tl.atomic_add(listed_ptr + d, count) + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(list_ptr + d * HEADS + at, key, mask=keep & (at < HEADS))
+        else:
+            at = tl.atomic_add(listed_ptr + d, KP) + tl.arange(0, KP)
+            tl.store(list_ptr + d * HEADS + at, _best(key, CHUNK, KP, TOPK), mask=at < HEADS)
+
+    @triton.jit
+    def _rank_list(list_ptr, listed_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr,
+                   KP: tl.constexpr, SHORT: tl.constexpr, MERGE: tl.constexpr, HEADS: tl.constexpr,
+                   IB: tl.constexpr, TOPK: tl.constexpr):
+        """Program depth: the best K of the depth's list -> ranked log-probs and token ids [K]
+        (a block of SHORT keys where the list fits it, else of MERGE)."""
+        d = tl.program_id(0)
+        length = tl.minimum(tl.load(listed_ptr + d), HEADS)
+        if length <= SHORT:
+            o = tl.arange(0, SHORT)
+            best = _best(tl.load(list_ptr + d * HEADS + o, mask=o < length, other=-1), SHORT, KP, TOPK)
+        else:
+            o = tl.arange(0, MERGE)
+            best = _best(tl.load(list_ptr + d * HEADS + o, mask=o < length, other=-1), MERGE, KP, TOPK)
+        _write_ranking(best, d, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K, KP, IB)
 
     @triton.jit
     def _select(rlogp_ptr, rtok_ptr, root_ptr, cand_i_ptr, cand_j_ptr, lparent_ptr, lrank_ptr, node_of_ptr,
