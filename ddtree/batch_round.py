@@ -228,7 +228,7 @@ class UniformRounds:
             return
         logp = F.log_softmax(logits, dim=-1)
         plan = self.tree_plans.get(budget)
-        if plan is not None:  # every row's tree in the plan's four launches
+        if plan is not None:  # every row's tree in the plan's launches
             plan.build(logp, root, bufs.tokens, bufs.parents, bufs.depths, bufs.valid, bufs.visible)
             return
         for i in range(bufs.rows):

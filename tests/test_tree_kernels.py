@@ -121,8 +121,8 @@ def test_rank_over_several_chunks_equals_build_tree(rank, kw):
 def test_filter_rank_where_the_threshold_lets_many_keys_through():
     """The filter rank's two fallbacks: a depth of one value everywhere (every group's maximum
     ties, so each chunk up to the threshold's passes all its keys and appends its own best KP
-    instead) makes the depth's list longer than the short block (the last launch ranks the whole
-    list's block); beside it a random depth and one with few distinct values."""
+    instead) makes the depth's list longer than the block the last launch reads at once (it reads
+    it in two); beside it a random depth and one with few distinct values."""
     budget, depths, vocab = 32, 3, 32768
     plan = TreeBuildPlan(budget, depths, vocab, DEVICE, rank="filter")
     assert (plan.chunks, plan.groups, plan.short, plan.merge) == (32, 64, 256, 1024)

@@ -8,7 +8,7 @@ over B x B candidates each time); on a small target that is most of a round. Her
   (grid: depths x chunks); then each chunk keeps only its keys at or above the KP-th largest
   group maximum (at least KP keys of the depth reach it, so every key of the depth's best K does)
   and appends them to the depth's list, or, where more than KP pass, its own best KP (grid:
-  depths x chunks); then the best K of that short list (grid: depths). "chunks" (two launches):
+  depths x chunks); then the best K of that list, usually a few K keys (grid: depths). "chunks" (two launches):
   the best KP of every chunk, then of the chunks' heads, each by a bitonic top-k (`_best`) or,
   where K is large enough for it to pay, a radix select over the block in registers
   (`_radix_best`; `RADIX_MIN_K`);
@@ -51,7 +51,10 @@ MAX_SORT = 8192  # the largest key block one program sorts (registers, not a cor
 RADIX_MIN_K = {"chunks": 256, "merge": 64}
 RANKS = ("auto", "radix", "bitonic", "filter")
 # The rank's form where a plan is given none (the engines' plans): DDTREE_TREE_RANK, one of RANKS.
-DEFAULT_RANK = os.environ.get("DDTREE_TREE_RANK", "auto")
+# "filter" by default: on an H100 at Qwen3's vocabulary and 15 depths the whole build took 41.7 /
+# 49.4 / 96.3 us at budgets 16 / 64 / 256 against 61.8 / 113.9 / 213.9 with the chunks' rank
+# (benchmarks/README.md, "The tree build's rank through a threshold").
+DEFAULT_RANK = os.environ.get("DDTREE_TREE_RANK", "filter")
 
 
 def _pow2_floor(n: int) -> int:
@@ -102,8 +105,7 @@ class TreeBuildPlan:
         self.chunks = math.ceil(vocab / self.chunk)
         self.merge = _pow2(self.chunks) * self.kp
         # "filter": groups of `group` tokens, at least 2 KP of them (where the vocabulary allows),
-        # whose maxima set the threshold; the list the last launch ranks at once holds `short`
-        # keys (more survivors, rare: the whole list's block, `merge`).
+        # whose maxima set the threshold; the last launch reads the list `short` keys at a time.
         self.group = min(self.chunk, _pow2_floor(vocab // (2 * self.kp)))
         self.groups = self.chunks * (self.chunk // self.group)
         self.short = min(self.merge, max(4 * self.kp, 256))
@@ -140,7 +142,8 @@ class TreeBuildPlan:
 
     def launches(self, logp, root, tokens, parents, depths, valid, visible) -> list[tuple[str, object]]:
         """The build's kernel launches in order, as (name, zero-argument function): `build` runs
-        them; benchmarks/tree_build.py times each one alone."""
+        them; benchmarks/tree_build.py times each one alone. Only the whole sequence builds a tree:
+        the filter's launch appends to its depth's list, which the group launch before it empties."""
         d, v, b = self.depth_count, self.vocab, self.budget
         trees = logp.shape[0] if logp.dim() == 3 else 1
         if trees > self.rows:
@@ -172,8 +175,8 @@ class TreeBuildPlan:
 
         def rank_list():
             _rank_list[(trees * d,)](self.heads, self.listed, logp, self.ranked_logp, self.ranked_tok, v, K=self.k,
-                                     KP=self.kp, SHORT=self.short, MERGE=self.merge, HEADS=self.chunks * self.kp,
-                                     IB=_bits(v), TOPK=self.topk, num_warps=self.rank_warps)
+                                     KP=self.kp, SHORT=self.short, HEADS=self.chunks * self.kp, IB=_bits(v),
+                                     TOPK=self.topk, num_warps=self.rank_warps)
 
         def select():
             _select[(1, trees)](self.ranked_logp, self.ranked_tok, root, self.cand_i, self.cand_j,
@@ -347,23 +350,26 @@ if triton is not None:
             at = tl.atomic_add(listed_ptr + d, count) + tl.cumsum(keep.to(tl.int32), 0) - 1
             tl.store(list_ptr + d * HEADS + at, key, mask=keep & (at < HEADS))
         else:
-            at = tl.atomic_add(listed_ptr + d, KP) + tl.arange(0, KP)
-            tl.store(list_ptr + d * HEADS + at, _best(key, CHUNK, KP, TOPK), mask=at < HEADS)
+            slots = tl.atomic_add(listed_ptr + d, KP) + tl.arange(0, KP)
+            tl.store(list_ptr + d * HEADS + slots, _best(key, CHUNK, KP, TOPK), mask=slots < HEADS)
 
     @triton.jit
     def _rank_list(list_ptr, listed_ptr, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K: tl.constexpr,
-                   KP: tl.constexpr, SHORT: tl.constexpr, MERGE: tl.constexpr, HEADS: tl.constexpr,
-                   IB: tl.constexpr, TOPK: tl.constexpr):
-        """Program depth: the best K of the depth's list -> ranked log-probs and token ids [K]
-        (a block of SHORT keys where the list fits it, else of MERGE)."""
+                   KP: tl.constexpr, SHORT: tl.constexpr, HEADS: tl.constexpr, IB: tl.constexpr,
+                   TOPK: tl.constexpr):
+        """Program depth: the best K of the depth's list -> ranked log-probs and token ids [K]. The
+        list is read SHORT keys at a time (one block but where many keys passed the threshold), each
+        block's best KP merged into the running best: no block of the list's whole capacity, whose
+        top-k would take as long to compile as the rest of the build."""
         d = tl.program_id(0)
         length = tl.minimum(tl.load(listed_ptr + d), HEADS)
-        if length <= SHORT:
-            o = tl.arange(0, SHORT)
-            best = _best(tl.load(list_ptr + d * HEADS + o, mask=o < length, other=-1), SHORT, KP, TOPK)
-        else:
-            o = tl.arange(0, MERGE)
-            best = _best(tl.load(list_ptr + d * HEADS + o, mask=o < length, other=-1), MERGE, KP, TOPK)
+        best = tl.full([KP], -1, tl.int64)
+        start = 0
+        while start < length:
+            o = start + tl.arange(0, SHORT)
+            block = _best(tl.load(list_ptr + d * HEADS + o, mask=o < length, other=-1), SHORT, KP, TOPK)
+            best = _best(tl.reshape(tl.join(best, block), [2 * KP]), 2 * KP, KP, TOPK)
+            start += SHORT
         _write_ranking(best, d, logp_ptr, ranked_logp_ptr, ranked_tok_ptr, V, K, KP, IB)
 
     @triton.jit
