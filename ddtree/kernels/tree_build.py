@@ -8,10 +8,10 @@ over B x B candidates each time); on a small target that is most of a round. Her
   (grid: depths x chunks); then each chunk keeps only its keys at or above the KP-th largest
   group maximum (at least KP keys of the depth reach it, so every key of the depth's best K does)
   and appends them to the depth's list, or, where more than KP pass, its own best KP (grid:
-  depths x chunks); then the best K of that list, usually a few K keys (grid: depths). "chunks" (two launches):
-  the best KP of every chunk, then of the chunks' heads, each by a bitonic top-k (`_best`) or,
-  where K is large enough for it to pay, a radix select over the block in registers
-  (`_radix_best`; `RADIX_MIN_K`);
+  depths x chunks); then the best K of that list, usually a few K keys (grid: depths).
+  "chunks" (two launches): the best KP of every chunk, then of the chunks' heads, each by a
+  bitonic top-k (`_best`) or, where K is large enough for it to pay, a radix select over the
+  block in registers (`_radix_best`; `RADIX_MIN_K`);
 - select (one program per tree): the level-by-level top-B of `build_tree`, then the global top-B, node
   numbering, parents, depths and tokens, written straight into the round's buffers. Candidate
   (parent rank i, token rank j) can only be among a level's best B when (i + 1)(j + 1) <= B (that
@@ -120,6 +120,7 @@ class TreeBuildPlan:
         self.rank_warps = rank_warps
         d, b = depth_count, budget
         self.cand_i, self.cand_j = cand_i.to(device), cand_j.to(device)
+        # the chunks' heads; with "filter", each depth's list (at most KP keys a chunk)
         self.heads = torch.empty(rows * d, self.chunks, self.kp, dtype=torch.int64, device=device)
         # `_radix_best`'s gathered keys, one [kp] slot per rank program: chunks', then merges'
         self.gathered = torch.empty(rows * d * (self.chunks + 1), self.kp, dtype=torch.int64, device=device)
