@@ -31,16 +31,11 @@ Qwen3-8B's heads, against copies of the kernel module changed in one thing each,
 - `QR`: the consumers' q.k with q in registers, read from shared memory once, instead of its 16 KB
   being read again for every key tile (a program's tile reads about as many cycles of shared memory
   as its products take: does that traffic bound it?);
-- `W2` / `W4`: the tail's rows in two warps beside the loader's, with mma.sync (`TAIL_WARPS` 2:
-  three warp groups, the consumers at 232 registers), / in a warp group of their own with wgmma (4),
-  whatever DDTREE_TAIL_WARPS says (`tail_warps`; the kernel's default: 4); `W2R<r>`: W2 with the
-  third warp group at r registers (32: the consumers at 232 and 240, 40: 232 and 232, 56: 224 and
-  224, against 224 and 232 at 48);
 - `against` (with --against FILE): the kernel module in FILE, e.g. an earlier revision's
   (`git show REV:ddtree/kernels/prefix_attention_sm90.py > FILE`), at every token count.
 
-Each changed copy that a chosen case needs is written beside the module as `_variant_<name>.py`,
-imported, and removed at the end. Microseconds per call: CUDA-graph replay of 10 calls, the median of `--repeats` passes
+Each changed copy is written beside the module as `_variant_<name>.py`, imported, and removed at
+the end. Microseconds per call: CUDA-graph replay of 10 calls, the median of `--repeats` passes
 over every case in turn; each variant's largest output difference from `base` at the same tokens
 and splits is reported (A's is expected to be large).
 
@@ -71,17 +66,12 @@ REGISTERS_NO_TAIL = ("    return per_group, min(256, ((consumers + 1) * per_grou
 CHANGES = {  # variant: the (old, new) text replacements of its copy
     "A": [("_release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)",
            "_release(k_ready, k_empty, v_ready, v_empty, 0, total, STAGES)"),
-          ("        if lo < hi:\n            acc, m_i, l_i = _attend_tail(",
-           "        if lo > total:\n            acc, m_i, l_i = _attend_tail("),
+          ("    if lo < hi:\n        acc, m_i, l_i = _attend_tail", "    if lo > total:\n        acc, m_i, l_i = _attend_tail"),
           ("_release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)",
            "_release(k_ready, k_empty, v_ready, v_empty, total, total, STAGES)")],
     **{f"E{r}": [("TAIL_REGS_NEEDED = 56", f"TAIL_REGS_NEEDED = {r}")] for r in (88, 72, 40, 32, 24)},
     "D16": [("return (8 if left <= 8 else 16), rows - left", "return 16, rows - left")],
     **{f"B{r}": [(REGISTERS_NO_TAIL[0], REGISTERS_NO_TAIL[1].format(r))] for r in (216, 224, 232)},
-    "W2": [('TAIL_WARPS = int(os.environ.get("DDTREE_TAIL_WARPS", "4"))', "TAIL_WARPS = 2")],
-    **{f"W2R{r}": [('TAIL_WARPS = int(os.environ.get("DDTREE_TAIL_WARPS", "4"))', "TAIL_WARPS = 2"),
-                   ("TAIL_WARPS_REGS = 48", f"TAIL_WARPS_REGS = {r}")] for r in (32, 40, 56)},
-    "W4": [('TAIL_WARPS = int(os.environ.get("DDTREE_TAIL_WARPS", "4"))', "TAIL_WARPS = 4")],
 }
 NO_MERGE = ('    gl.thread_barrier()\n    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu")\n'
             '    if arrived == parts - 1:', "    arrived = pid_m\n    if arrived == parts + 1:")
@@ -101,8 +91,7 @@ Q_IN_REGISTERS = [  # the consumers' q.k with q in registers (read from shared m
     ("            s = warpgroup_mma_wait(2, deps=(s_token, ))", "            s, q_reg = warpgroup_mma_wait(2, deps=(s_token, q_reg))"),
 ]
 _TEXT = SOURCE.read_text()
-_TAIL_BODY = _TEXT[_TEXT.index("    _inputs_ready()\n    parts = gl.num_programs(0)"):
-                   _TEXT.index("\n\n@gluon.constexpr_function\ndef _tail_layout")]
+_TAIL_BODY = _TEXT[_TEXT.index("    _inputs_ready()\n    parts = gl.num_programs(0)"):_TEXT.index("\n\n@gluon.jit\ndef _tail_seen")]
 ROWS_SHARED = [(_TAIL_BODY, """    _inputs_ready()
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
@@ -128,16 +117,12 @@ NO_COUNT = ('    arrived = gl.atomic_add(count_ptr + group, 1, sem="acq_rel", sc
             "    arrived = pid_m\n    if arrived == parts + 1:")
 CHANGES |= {"M": [NO_MERGE], "MB": [NO_COUNT], "AM": CHANGES["A"] + [NO_MERGE], "Z": IDLE_TAIL + [NO_MERGE], "ZM": IDLE_TAIL, "QR": Q_IN_REGISTERS,
             "R": ROWS_SHARED}
-# The variants of the tail warp group's parts keep its form (`W4`) whatever DDTREE_TAIL_WARPS says.
-CHANGES |= {name: CHANGES["W4"] + changes for name, changes in CHANGES.items() if not name.startswith(("W", "B"))}
 RUNS = [("base", 64), ("base", 65), ("base", 256), ("base", 257), ("notail", 65), ("notail", 257),
         ("A", 65), ("A", 257), ("B216", 64), ("B216", 256), ("B224", 64), ("B232", 64),
         ("E88", 65), ("E88", 257), ("E72", 65), ("E72", 257),
         ("E40", 65), ("E40", 257), ("E32", 65), ("E24", 65), ("D16", 65), ("D16", 257),
         *[(name, n) for name in ("M", "MB", "AM", "Z", "ZM") for n in (65, 257)], *[("QR", n) for n in (64, 65, 256, 257)],
-        ("R", 65), ("R", 257), ("W2", 65), ("W2", 257), ("W2R32", 65), ("W2R32", 257),
-        ("W2R40", 65), ("W2R40", 257), ("W2R56", 65), ("W2R56", 257), ("base", 128), ("base", 129),
-        ("W2", 129), ("W4", 129), ("W4", 65), ("W4", 257), ("B232", 256)]
+        ("R", 65), ("R", 257)]
 
 
 def variant(name: str, text: str):
@@ -170,8 +155,7 @@ def main() -> None:
     hq, hkv, d = HEADS
     text = SOURCE.read_text()
     try:
-        modules = {"base": base, "notail": base} | {name: variant(name, text) for name in CHANGES
-                                                    if any(label == name for label, _ in runs)}
+        modules = {"base": base, "notail": base} | {name: variant(name, text) for name in CHANGES}
         if args.against:
             modules["against"] = variant("against", Path(args.against).read_text())
         cases = {}

@@ -38,14 +38,8 @@ TILINGS = (  # (name, group, head_dim, dtype name, tiling): every tiling `tiling
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 8}),
     ("qwen3.6-27b, two consumers and a tail of 16", 6, 256, "bf16",
      {"CONSUMERS": 2, "BLOCK_N": 64, "STAGES": 2, "PER_SM": 1, "TAIL": 16}),
-    ("qwen3-8b, two consumers and a tail of 8 in two warps", 4, 128, "bf16",
-     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "TAIL_WARPS": 2}),
-    ("fp16, head_dim 64, a tail of 16 in two warps", 4, 64, "fp16",
-     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 16, "TAIL_WARPS": 2}),
     ("qwen3-8b, a batch's rows, two consumers and a tail of 8", 4, 128, "bf16",
      {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "BATCHED": True}),
-    ("qwen3-8b, a batch's rows, two consumers and a tail of 8 in two warps", 4, 128, "bf16",
-     {"CONSUMERS": 2, "BLOCK_N": 128, "STAGES": 2, "PER_SM": 1, "TAIL": 8, "BATCHED": True, "TAIL_WARPS": 2}),
     ("qwen3.6-27b, a batch's rows, one consumer", 6, 256, "bf16",
      {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "PER_SM": 1, "BATCHED": True}),
 )
@@ -82,12 +76,11 @@ def main() -> int:
                      "batch": "i32", "stride_qt": "i32", "stride_qh": "i32", "keys_per_split": "i32", "lead": "i32",
                      "block_cols": "i32", "mask_stride": "i32", "qk_scale": "fp32", "full_rows": "i32"}
         tail = t.get("TAIL", 0)
-        tail_warps = t.get("TAIL_WARPS", 4)
-        maxnreg, consumer_regs, tail_regs = registers(t["CONSUMERS"], t["PER_SM"], tail > 0, tail_warps)
+        maxnreg, consumer_regs, tail_regs = registers(t["CONSUMERS"], t["PER_SM"], tail > 0)
         constexprs = {"GROUP": group, "D": head_dim, "CONSUMERS": t["CONSUMERS"], "SKIP_IDLE": True, "TAIL": tail,
                       "BLOCK_N": t["BLOCK_N"], "STAGES": t["STAGES"], "Q_SMEM": q_smem,
                       "CONSUMER_REGS": consumer_regs, "TAIL_REGS": tail_regs, "BATCHED": t.get("BATCHED", False),
-                      "TAIL_WARPS": tail_warps, "num_warps": 4}
+                      "num_warps": 4}
         signature |= {key: "constexpr" for key in constexprs}
         aligned = ("q_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh")
         attrs = {(_prefix_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -100,7 +93,7 @@ def main() -> int:
         shared = compiled.metadata.shared
         fits = "fits" if shared * t["PER_SM"] <= SHARED_LIMITS[90] else "OVER"
         print(f"ok     {name} {t}: shared {shared} bytes ({fits} at {t['PER_SM']} an SM), maxnreg {maxnreg} "
-              f"(consumers {consumer_regs}, loader {tail_regs if tail_warps == 2 else 24}{f', tail {tail_regs}' if tail else ''}), "
+              f"(consumers {consumer_regs}, loader 24{f', tail {tail_regs}' if tail else ''}), "
               f"local {usage.get('local')}, stack (spills) {usage.get('stack')}"
               + (f", sass {sass_hash(compiled.asm['cubin'])}" if "--sass-hash" in sys.argv else ""))
     return 1 if failed else 0

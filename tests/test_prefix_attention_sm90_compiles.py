@@ -69,10 +69,6 @@ def test_registers_share_the_sm_and_leave_the_loader_24():
     maxnreg, consumer, tail = registers(2, 1, tail=True)
     assert 4 * 128 * maxnreg <= 65536 and 256 * consumer + 128 * tail + 128 * 24 <= 65536
     assert (maxnreg, consumer, tail) == (128, 216, 56)
-    # three: the tail's two warps and the loader's share the third warp group, at one count
-    maxnreg, consumer, tail = registers(2, 1, tail=True, tail_warps=2)
-    assert 3 * 128 * maxnreg <= 65536 and 256 * consumer + 128 * tail <= 65536
-    assert (maxnreg, consumer, tail) == (168, 232, 48)
 
 
 def test_the_tail_takes_at_most_16_rows_past_whole_blocks():

@@ -26,9 +26,6 @@ in FlashAttention-3's form"). Here:
   key tiles, and the last of a KV head's programs to finish merges their partials (`_tail`). At
   head_dim 256 the consumers' p.v then runs as two products over the head dim's halves (`_attend`'s
   HALVES: one of N = 256 needs more registers at once than four warp groups leave a thread).
-  At head_dim <= 128 the tail's rows may instead go to two warps beside the loader's, in its warp
-  group, with the same transposed products on mma.sync (`TAIL_WARPS` 2, `_attend_tail_warps`): the
-  kernel then keeps three warp groups, and its consumers 232 registers instead of 216.
 
 Given the tree's mask (`block`), the first split's programs go on over the tree's own keys
 [P, P + M), each row seeing those its token's mask allows, so that the splits' merge is the
@@ -66,7 +63,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -79,12 +75,6 @@ SPLIT_KEYS = 128  # splits are multiples of this many keys, a whole number of ti
 PDL = os.environ.get("DDTREE_PDL", "1") == "1"
 TAIL_256_MAX_BLOCKS = 4  # whole row blocks up to which head_dim 256 takes the tail warp group (`tail_rows`)
 TAIL_REGS_NEEDED = 56  # the tail warp group's registers (its tiles are [BLOCK_N or D, 8 or 16] float32)
-# The tail's rows in a warp group of their own (4), in two warps beside the loader's (2), or 0: by the
-# row blocks (`tail_warps`). A tiling's "TAIL_WARPS" overrides it. Two warps were slower wherever
-# they were timed (H100, benchmarks/README.md, "The tail rows without a fourth warp group"): opt-in.
-TAIL_WARPS = int(os.environ.get("DDTREE_TAIL_WARPS", "4"))
-TAIL_WARPS_MIN_BLOCKS = 4  # whole row blocks from which the tail takes two warps (`tail_warps`)
-TAIL_WARPS_REGS = 48  # their warp group's registers (the consumers then get 232 and 224)  # the two tail warps' and the loader's warp group's registers (`TAIL_WARPS`)
 
 
 @gluon.jit
@@ -174,10 +164,10 @@ def _inputs_ready():
 
 @gluon.jit
 def _stage_rows(q_ptr, q_smem, row0, rows, head, stride_qt, stride_qh, GROUP: gl.constexpr, D: gl.constexpr,
-                ROWS: gl.constexpr, WARPS: gl.constexpr = 4):
+                ROWS: gl.constexpr):
     """Query rows [row0, row0 + ROWS) of KV head `head` (zeros past `rows`) -> q_smem [ROWS, D], an
     MMA operand: 16-byte loads, then the fence that orders those stores before wgmma reads them."""
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [WARPS, 1], [1, 0])
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
     offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     q_rows = (offs_m // GROUP) * stride_qt + (head * GROUP + offs_m % GROUP) * stride_qh
@@ -313,15 +303,11 @@ def _release(k_ready, k_empty, v_ready, v_empty, lo, hi, STAGES: gl.constexpr):
 def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, part_o_ptr,
           part_ml_ptr, count_ptr, row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block,
           block_cols, mask_ptr, mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, TAIL: gl.constexpr, WARPS: gl.constexpr):
-    """The tail partition: the rows [row0, rows) past the last whole 128-row block (at most TAIL),
-    in a warp group of its own (WARPS 4: `_attend_tail`, wgmma) or in two warps beside the
-    loader's (WARPS 2: `_attend_tail_warps`, mma.sync).
+          STAGES: gl.constexpr, TAIL: gl.constexpr):
+    """The tail warp group: the rows [row0, rows) past the last whole 128-row block (at most TAIL).
 
     The split's tiles are shared out: each of the KV head's row-block programs takes a run of them
-    for the tail ([lo, hi)), or with two warps every parts-th tile from its own (their products
-    take longer than a consumer's tile: in a run the consumers would wait on every slot for
-    them), and releases the others' slots unread; each writes its unnormalised
+    for the tail ([lo, hi)) and releases the others' slots unread; each writes its unnormalised
     partial (o^T, the running maximum, the sum) to part_o / part_ml, and the last of them to arrive
     (count_ptr, one counter per KV head, split and batch row, left at zero for the next launch)
     merges them into the split's output. The tail costs its programs about as much however its
@@ -332,26 +318,20 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
     parts = gl.num_programs(0)
     pid_m = gl.program_id(0)
     total = n_tiles + n_block
-    ST: gl.constexpr = _tail_layout(TAIL, WARPS)
-    if WARPS == 2:  # tiles pid_m, pid_m + parts, ...; the others released as they land
-        acc, m_i, l_i = _attend_tail_warps(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                                           pid_m, parts, total, row0, rows, head, stride_qt, stride_qh, start, end,
-                                           n_tiles, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N,
-                                           STAGES, TAIL, ST)
-    else:
-        per = gl.cdiv(total, parts)
-        lo = gl.minimum(pid_m * per, total)
-        hi = gl.minimum(lo + per, total)
-        _release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)
-        if lo < hi:
-            acc, m_i, l_i = _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                                         lo, hi, row0, rows, head, stride_qt, stride_qh, start, end, n_tiles,
-                                         block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
-        else:  # no tile of its own (a split of fewer tiles than programs): an empty partial
-            acc = gl.zeros([D, TAIL], gl.float32, ST)
-            m_i = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
-            l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
-        _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
+    per = gl.cdiv(total, parts)
+    lo = gl.minimum(pid_m * per, total)
+    hi = gl.minimum(lo + per, total)
+    _release(k_ready, k_empty, v_ready, v_empty, 0, lo, STAGES)
+    ST: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TAIL, 16])
+    if lo < hi:
+        acc, m_i, l_i = _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, lo,
+                                     hi, row0, rows, head, stride_qt, stride_qh, start, end, n_tiles, block_cols,
+                                     mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES, TAIL)
+    else:  # no tile of its own (a split of fewer tiles than programs): an empty partial
+        acc = gl.zeros([D, TAIL], gl.float32, ST)
+        m_i = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
+        l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
+    _release(k_ready, k_empty, v_ready, v_empty, hi, total, STAGES)
 
     # This program's partial, then the arrival count; the last to arrive merges them all.
     group = gl.program_id(2) * gl.num_programs(1) + head  # (split, batch row, KV head)
@@ -385,15 +365,6 @@ def _tail(q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_em
                  mask=(rws[None, :] < rows) & (dims[:, None] < D))
         lse = gl.where(total_sum > 0.0, (m_all + gl.log2(total_sum)) * LN2, float("-inf"))
         gl.store(lse_ptr + base + rws, lse, mask=rws < rows)
-
-
-@gluon.constexpr_function
-def _tail_layout(tail, warps):
-    """The tail's accumulators' layout ([BLOCK_N or D, TAIL] tiles): wgmma's over a warp group of
-    four warps, mma.sync's (m16n8) over two."""
-    if warps == 2:
-        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1], instr_shape=[16, 8])
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tail, 16])
 
 
 @gluon.jit
@@ -478,71 +449,12 @@ def _attend_tail(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_re
 
 
 @gluon.jit
-def _attend_tail_warps(q_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, first, every,
-                       total, row0, rows, head, stride_qt, stride_qh, start, end, n_tiles, block_cols, mask_ptr,
-                       mask_stride, qk_scale, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, TAIL: gl.constexpr, ST: gl.constexpr):
-    """`_attend_tail` in two warps with mma.sync (m16n8k16) instead of a warp group with wgmma, so
-    that the kernel keeps three warp groups and its consumers the registers a fourth takes: the
-    same transposed products (s^T [BLOCK_N, TAIL] = k . q^T, o^T [D, TAIL] += v^T . p^T), each warp
-    taking half of the rows of s^T (keys) and of o^T (head dims), in steps of 16 of the reduced dim
-    so that an operand's registers stay few. Tile by tile, in order (the products are a small
-    part of the consumers'), the warps' barrier before each release, since a slot's arrival is one
-    thread's. Of the tiles [0, total) it multiplies first, first + every, ... and releases the
-    others as they land; -> (o^T unnormalised, running maximum, softmax sum) as `_attend_tail`
-    (an empty partial, maximum -inf, where it multiplies none)."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST, k_width=2)
-    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ST, k_width=2)
-
-    _stage_rows(q_ptr, qt_smem, row0, rows, head, stride_qt, stride_qh, GROUP, D, TAIL, 2)  # q [TAIL, D], as the B^T
-    gl.thread_barrier()  # both warps' rows stored before either reads them
-    rws = row0 + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ST))
-    acc = gl.zeros([D, TAIL], gl.float32, ST)
-    m_i = gl.full([TAIL], float("-inf"), gl.float32, gl.SliceLayout(0, ST))
-    l_i = gl.zeros([TAIL], gl.float32, gl.SliceLayout(0, ST))
-    for j in range(total):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        if j % every != first:  # another program's tile: released as it lands
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=1)
-        else:
-            mbarrier.wait(k_ready.index(slot), phase)
-            s = gl.zeros([BLOCK_N, TAIL], gl.float32, ST)
-            for d0 in gl.static_range(0, D, 16):
-                keys = k_ring.index(slot).slice(d0, 16, dim=1).load(A_OP)  # [BLOCK_N, 16]
-                s = mma_v2(keys, qt_smem.slice(d0, 16, dim=1).permute((1, 0)).load(B_OP), s)
-            gl.thread_barrier()  # both warps have read the keys
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            s = _tail_seen(s, j, n_tiles, start, end, block_cols, mask_ptr, mask_stride, rws, rows, GROUP, BLOCK_N, ST)
-            m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * qk_scale - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            acc = acc * alpha[None, :]
-            pt_smem.store(gl.permute(p.to(dtype), [1, 0]))
-            gl.thread_barrier()  # p^T whole before either warp reads it
-            mbarrier.wait(v_ready.index(slot), phase)
-            for c0 in gl.static_range(0, BLOCK_N, 16):
-                values = v_ring.index(slot).slice(c0, 16, dim=0).permute((1, 0)).load(A_OP)  # v^T [D, 16]
-                acc = mma_v2(values, pt_smem.slice(c0, 16, dim=1).permute((1, 0)).load(B_OP), acc)
-            gl.thread_barrier()  # both warps have read the values and p^T (the next tile overwrites it)
-            mbarrier.arrive(v_empty.index(slot), count=1)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
                    count_ptr, n_tokens, batch, stride_qt, stride_qh, keys_per_split, lead, block_cols, mask_stride,
                    qk_scale, full_rows, GROUP: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
                    SKIP_IDLE: gl.constexpr, TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    Q_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, TAIL_REGS: gl.constexpr, BATCHED: gl.constexpr,
-                   TAIL_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     rows = n_tokens * GROUP
@@ -591,25 +503,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
 
     # (Partitions and their arguments are written in the call itself: tuples built before it would
     # turn their functions and constexprs into tensors.)
-    if TAIL > 0 and TAIL_WARPS == 2:  # the tail rows in two warps beside the loader's (`_attend_tail_warps`)
-        qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
-        pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([TAIL, BLOCK_N], dtype))
-        gl.warp_specialize([
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(0), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         row0, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, 1)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem.index(1), k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                         row0 + 64, rows, head, base, stride_qt, stride_qh, start, end, n_tiles, n_block, block_cols,
-                         mask_ptr, mask_stride, qk_scale, 0, False, GROUP, D, BLOCK_N, STAGES, 1)),
-            (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                     part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
-                     end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
-                     TAIL, 2)),
-            (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
-                       slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
-        ], [4, 2, 1], [CONSUMER_REGS, TAIL_REGS, TAIL_REGS])
-    elif TAIL > 0:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
+    if TAIL > 0:  # two consumers over whole 128-row blocks, the rows past them in a tail warp group
         HALVES: gl.constexpr = (D + 127) // 128  # p.v in two products at head_dim 256 (`_attend`)
         qt_smem = gl.allocate_shared_memory(dtype, [TAIL, D], gl.NVMMASharedLayout.get_default_for([TAIL, D], dtype))
         pt_smem = gl.allocate_shared_memory(dtype, [TAIL, BLOCK_N],
@@ -624,7 +518,7 @@ def _prefix_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, prefix_ptr, first_ptr,
             (_tail, (q_ptr, o_ptr, lse_ptr, qt_smem, pt_smem, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                      part_o_ptr, part_ml_ptr, count_ptr, full_rows, rows, head, base, stride_qt, stride_qh, start,
                      end, n_tiles, n_block, block_cols, mask_ptr, mask_stride, qk_scale, GROUP, D, BLOCK_N, STAGES,
-                     TAIL, 4)),
+                     TAIL)),
             (_loader, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, slot0 + start, n_tiles,
                        slot0 + prefix, n_block, head * D, BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, TAIL_REGS, 24])
@@ -663,14 +557,11 @@ def tiling(head_dim: int, rows: int, kv_heads: int, sms: int, batch: int = 1) ->
     return {"CONSUMERS": 2, "BLOCK_N": 128 if head_dim <= 128 else 64, "STAGES": 2, "PER_SM": 1}
 
 
-def registers(consumers: int, programs_per_sm: int, tail: bool = False, tail_warps: int = 4) -> tuple[int, int, int]:
+def registers(consumers: int, programs_per_sm: int, tail: bool = False) -> tuple[int, int, int]:
     """(maxnreg, consumer registers, tail registers): the kernel's warp groups (the consumers', the
     loader's, whose one warp is launched with three more, and the tail's) share the SM's 64K
     registers; setmaxnreg then gives the loader 24, the tail warp group TAIL_REGS_NEEDED and the
     consumers the rest."""
-    if tail and tail_warps == 2:  # three warp groups: the tail's two warps and the loader's share one
-        consumer = (65536 // programs_per_sm - 128 * TAIL_WARPS_REGS) // (128 * consumers) // 8 * 8
-        return 65536 // (programs_per_sm * (consumers + 1) * 128) // 8 * 8, min(256, consumer), TAIL_WARPS_REGS
     if tail:  # four warp groups: the loader's warp is launched with three more
         consumer = (65536 // programs_per_sm - 128 * 24 - 128 * TAIL_REGS_NEEDED) // (128 * consumers) // 8 * 8
         return 65536 // (programs_per_sm * (consumers + 2) * 128) // 8 * 8, min(256, consumer), TAIL_REGS_NEEDED
@@ -693,22 +584,6 @@ def tail_rows(config: dict, rows: int, head_dim: int) -> tuple[int, int]:
     if head_dim > 128 and rows // 128 > TAIL_256_MAX_BLOCKS:
         return 0, rows
     return (8 if left <= 8 else 16), rows - left
-
-
-def tail_warps(config: dict, full_rows: int, head_dim: int) -> int:
-    """4: the tail's rows in a warp group of their own (`_attend_tail`), or 2: in two warps beside
-    the loader's (`_attend_tail_warps`), which leaves the consumers 232 / 224 registers instead of
-    216 but whose tiles take longer than a consumer's (each row-block program's tail takes every
-    parts-th tile), at head_dim <= 128 only (at 256 o^T alone would take 32 of a thread's 48
-    registers). config's "TAIL_WARPS", else DDTREE_TAIL_WARPS: 4 (the default), 2, or 0 for two
-    warps from TAIL_WARPS_MIN_BLOCKS whole row blocks (where the programs that share the tail's
-    tiles are many); none of the two-warp choices was faster where timed (TAIL_WARPS)."""
-    chosen = config.get("TAIL_WARPS", TAIL_WARPS)
-    if head_dim > 128:
-        return 4
-    if chosen:
-        return chosen
-    return 2 if full_rows // 128 >= TAIL_WARPS_MIN_BLOCKS else 4
 
 
 def plan_splits(programs: int, sms: int, max_keys: int, max_splits: int = 16, min_keys: int = 512) -> int:
@@ -817,8 +692,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         mask, block_cols = torch.empty(1, 1, dtype=torch.uint8, device=q.device), 0
     keys_per_split, lead = split_keys(max_keys, splits, block_cols if t.get("BALANCE", True) else 0)
     tail, full_rows = tail_rows(t, rows, d)
-    warps = tail_warps(t, full_rows, d)
-    maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0, warps)
+    maxnreg, consumer_regs, tail_regs = registers(consumers, t["PER_SM"], tail > 0)
     grid = (triton.cdiv(full_rows, consumers * 64), hkv, splits * batch)
     if tail:  # each row-block program's partial for the tail rows, merged by the last to finish
         part_o = torch.empty(grid[2] * hkv * grid[0] * tail * d, dtype=torch.float32, device=q.device)
@@ -831,7 +705,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                          mask.stride(0), scale * LOG2E, full_rows, GROUP=group, D=d, CONSUMERS=consumers,
                          SKIP_IDLE=t.get("SKIP_IDLE", True), TAIL=tail, BLOCK_N=block_n, STAGES=t["STAGES"],
                          Q_SMEM=q_smem, CONSUMER_REGS=consumer_regs, TAIL_REGS=tail_regs,
-                         BATCHED=first_slot is not None, TAIL_WARPS=warps, num_warps=4, maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
+                         BATCHED=first_slot is not None, num_warps=4, maxnreg=maxnreg, launch_pdl=t.get("PDL", PDL))
     return o, lse
 
 
