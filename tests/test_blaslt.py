@@ -293,6 +293,53 @@ def test_a_saved_kernel_that_disagrees_is_timed_again(monkeypatch):
     assert choices[name]["us"] == 8.0 and "OtherGPU|cublasLt 1|3x8x16|float32->float32|=" in choices
 
 
+def _walk_finds(monkeypatch, found_index: int, seen: dict):
+    """The configurations' walk (`_searched`) on the CPU: it finds the fake's candidate `found_index`."""
+    def searched(plan, heuristic, x, weights, scratch, seconds):
+        seen.update(bases=len(heuristic), seconds=seconds)
+        return [blaslt.Candidate(_FakePlan.algo(found_index), 0, 1.0, {"index": found_index})]
+
+    monkeypatch.setattr(blaslt, "_searched", searched)
+
+
+def test_the_walk_times_its_finds_beside_the_heuristics_and_its_choice_is_kept(monkeypatch):
+    """A choice saved without the walk is timed again with it on, the walk's find beside the
+    heuristic's four; the walk's choice is saved as such and a start without the walk restores it."""
+    name = "FakeGPU|cublasLt 1|3x8x16|float32->float32|="
+    blaslt.cache_path().parent.mkdir(parents=True)
+    blaslt.cache_path().write_text(json.dumps({"format": blaslt.CACHE_FORMAT, "choices": {
+        name: {"algo": [1] + [0] * 7, "workspace": 0, "us": 8.0, "torch_us": 10.0}}}))
+    queue = _cached_setup(monkeypatch, [10.0, 9.5, 8.0, 8.5, 7.0])
+    seen = {}
+    _walk_finds(monkeypatch, 3, seen)
+    monkeypatch.setattr(blaslt, "SEARCH_SECONDS", 2.0)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    choice = blaslt._choice_for(KEY, x, w, None, False, torch.float32)
+    assert queue == [] and seen == {"bases": 4, "seconds": 2.0} and choice.us == 7.0
+    entry = json.loads(blaslt.cache_path().read_text())["choices"][name]
+    assert entry["searched"] is True and entry["us"] == 7.0 and entry["algo"][0] == 3
+    for seconds in (0.0, 2.0):  # restored, not timed, with the walk off and on
+        monkeypatch.setattr(blaslt, "SEARCH_SECONDS", seconds)
+        monkeypatch.setattr(blaslt, "_SAVED", None)
+        monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: pytest.fail("timed again"))
+        assert blaslt._choice_for(KEY, x, w, None, False, torch.float32).us == 7.0
+
+
+def test_pytorchs_call_kept_with_the_walk_is_restored_as_such(monkeypatch):
+    _cached_setup(monkeypatch, [10.0, 9.8, 9.9, 9.9, 9.9])
+    _walk_finds(monkeypatch, 3, {})
+    monkeypatch.setattr(blaslt, "SEARCH_SECONDS", 2.0)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert blaslt._choice_for(KEY, x, w, None, False, torch.float32) is None
+    entry = json.loads(blaslt.cache_path().read_text())["choices"]["FakeGPU|cublasLt 1|3x8x16|float32->float32|="]
+    assert entry == {"torch": True, "searched": True}
+    for seconds in (0.0, 2.0):
+        monkeypatch.setattr(blaslt, "SEARCH_SECONDS", seconds)
+        monkeypatch.setattr(blaslt, "_SAVED", None)
+        monkeypatch.setattr(blaslt, "graph_call_us", lambda fn, **kw: pytest.fail("timed again"))
+        assert blaslt._choice_for(KEY, x, w, None, False, torch.float32) is None
+
+
 @pytest.mark.parametrize("content", ["not json", json.dumps({"format": "something else", "choices": {"a": 1}})])
 def test_an_unreadable_or_foreign_cache_is_timed_over(monkeypatch, content, caplog):
     blaslt.cache_path().parent.mkdir(parents=True)

@@ -16,6 +16,9 @@ bias-free projection of the targets and the drafter comes through `linear`; insi
 `torch.compile`d function (the drafter's layers, a dense target's unfolded ones) it is the op
 `ddtree::blaslt_linear`, which the compiled code calls as it runs. Where cuBLASLt cannot be loaded
 every shape keeps PyTorch's call (one warning); where a shape's plan fails, that shape does.
+With `DDTREE_BLAS_SEARCH=SECONDS` (opt-in) the configurations near the heuristic's
+(`blaslt_search`) are timed too: on an H100 that took 0.12 ms off a 256 round over 32k and 46 s
+onto a first start (benchmarks/README.md, "cuBLASLt's configurations near its heuristic's").
 
 Choices are kept on disk (`cache_path`: $DDTREE_CACHE_DIR, default ~/.cache/ddtree, file
 blaslt_choices.json), keyed by the GPU's name, the cuBLASLt build and the shape: cuBLASLt's
@@ -52,6 +55,9 @@ from ddtree.kernels.graph_timing import graph_call_us
 
 log = logging.getLogger("ddtree.blaslt")
 ENABLED = os.environ.get("DDTREE_BLAS_CHOICE", "1") != "0"
+# Seconds a shape for the walk of every configuration near the heuristic's (`blaslt_search`); 0: off.
+SEARCH_SECONDS = float(os.environ.get("DDTREE_BLAS_SEARCH", "0") or 0)
+SEARCH_KEEP = 8  # the walk's fastest, by one eager timing, timed again beside the heuristic's
 MAX_ROWS = 512  # a verify's rows; a prefill's chunks keep PyTorch's call
 
 # cublasLt.h / library_types.h values.
@@ -60,7 +66,9 @@ _R_32F, _R_16F, _R_16BF = 0, 2, 14
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1
-_ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
+_ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "inner": 7,
+                "cluster": 8}
+_CONFIG_UINT16 = {"inner", "cluster"}
 _DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
 WORKSPACE_BYTES = 32 << 20
 
@@ -143,11 +151,12 @@ class Candidate:
 
 
 def _describe(algo: _Algo) -> dict:
+    """The algorithm's settings by name (those it has)."""
     out = {}
     for name, attr in _ALGO_CONFIG.items():
-        value, written = ctypes.c_uint32(), ctypes.c_size_t()
-        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value), 4,
-                                                      ctypes.byref(written)) == 0:
+        value, written = (ctypes.c_uint16 if name in _CONFIG_UINT16 else ctypes.c_uint32)(), ctypes.c_size_t()
+        if _lib().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
+                                                      ctypes.sizeof(value), ctypes.byref(written)) == 0:
             out[name] = value.value
     return out
 
@@ -280,7 +289,9 @@ def _cache_failed(what: str, exc: Exception) -> None:
 
 def _saved() -> dict[str, dict | None]:
     """Saved choices by `cache_key`: {"algo": [8 ints], "workspace", "us", "torch_us"}, or None
-    where PyTorch's call was kept; empty where the file is missing, unreadable or of another format."""
+    where PyTorch's call was kept ({"torch": True} where that was chosen with the configurations'
+    walk, and "searched": True in either); empty where the file is missing, unreadable or of
+    another format."""
     global _SAVED
     if _SAVED is None:
         _SAVED = {}
@@ -301,6 +312,8 @@ def _save(name: str, choice: _Choice | None) -> None:
     entry = None if choice is None else {"algo": list(choice.candidate.algo.data),
                                          "workspace": choice.candidate.workspace,
                                          "us": round(choice.us, 2), "torch_us": round(choice.torch_us, 2)}
+    if SEARCH_SECONDS > 0:  # chosen with the walk: a start without it restores this too
+        entry = (entry or {"torch": True}) | {"searched": True}
     _saved()[name] = entry
     if "write" in _CACHE_FAILED:
         return
@@ -353,9 +366,9 @@ def _choice_for(key: tuple, x, w, out, accumulate, out_dtype) -> _Choice | None:
         _cache_failed("name the build for", exc)
         return _choose(x, w, out, accumulate, out_dtype)
     saved = _saved()
-    if name in saved:
+    if name in saved and (SEARCH_SECONDS <= 0 or (saved[name] or {}).get("searched")):
         entry = saved[name]
-        if entry is None:
+        if entry is None or entry.get("torch"):
             return None
         restored = _restore(x, w, accumulate, out_dtype, entry)
         if restored is not None:
@@ -401,7 +414,7 @@ def _choose_timed(x, w, out, accumulate, out_dtype) -> _Choice | None:
     """`_choose`, raising torch.OutOfMemoryError where the GPU has no room to time."""
     m, k = x.shape
     n = w.shape[0]
-    plan, torch_us, timed = time_candidates(x, w, out, accumulate, out_dtype)
+    plan, torch_us, timed = time_candidates(x, w, out, accumulate, out_dtype, search_seconds=SEARCH_SECONDS)
     best = min((t for t in timed if t.us is not None), key=lambda t: t.us, default=None)
     if best is None or best.us > min(0.97 * torch_us, torch_us - 0.3):
         log.info("projection [%d, %d] x [%d, %d]^T%s: PyTorch's call (%.1f us) kept", m, k, n, k,
@@ -423,11 +436,12 @@ class Timed:
 
 
 def time_candidates(x, w, out, accumulate: bool, out_dtype: torch.dtype, copies: int | None = None,
-                    timing: dict | None = None) -> tuple[LtProjection, float, list[Timed]]:
+                    timing: dict | None = None, search_seconds: float = 0.0) -> tuple[LtProjection, float, list[Timed]]:
     """(the plan, PyTorch's call's us, each of cuBLASLt's candidates checked and timed) for
     x @ w.T (accumulate: added into out), on copies of x, w and out: `copies` weights (default:
     enough to keep each call's weights out of L2), `timing` as `graph_call_us` takes it (default
-    `_TIMING`). Synchronises the device."""
+    `_TIMING`). With `search_seconds`, the heuristic's candidates are followed by the `SEARCH_KEEP`
+    fastest of `blaslt_search.search`'s walk near them (one eager timing each). Synchronises the device."""
     m, k = x.shape
     n = w.shape[0]
     timing = timing or _TIMING
@@ -439,12 +453,29 @@ def time_candidates(x, w, out, accumulate: bool, out_dtype: torch.dtype, copies:
                              **timing)
     want = _torch_linear(x, w, torch.zeros_like(scratch), False, out_dtype).float()
     plan = LtProjection(m, n, k, x.dtype, accumulate, x.device.index or 0, out_dtype)
+    candidates = plan.candidates()
+    if search_seconds > 0:
+        candidates += _searched(plan, candidates, x, weights, scratch, search_seconds)
     timed = []
-    for cand in plan.candidates():
+    for cand in candidates:
         err, agrees = _agrees(plan, cand, x, w, want, out_dtype)
         us = graph_call_us(lambda i: plan(x, weights[i % copies], scratch, cand), **timing) if agrees else None
         timed.append(Timed(cand, err, us))
     return plan, torch_us, timed
+
+
+def _searched(plan, heuristic: list[Candidate], x, weights, scratch, seconds: float) -> list[Candidate]:
+    """The `SEARCH_KEEP` fastest configurations near the heuristic's that it did not offer itself
+    (`seconds` for the walk, as many again at most for their first timing)."""
+    from ddtree.kernels import blaslt_search  # it builds on this module's plans and candidates
+
+    offered = {tuple(sorted(c.config.items())) for c in heuristic}
+    found, counts = blaslt_search.search(plan, seconds=seconds, bases=heuristic)
+    fresh = [c for c in found if tuple(sorted(c.config.items())) not in offered]
+    screened = blaslt_search.screen(plan, fresh, x, weights, scratch, seconds=seconds)
+    log.info("projection [%d, %d] x [%d, %d]^T: %d configurations near cuBLASLt's heuristic's, %d checked",
+             plan.m, plan.k, plan.n, plan.k, counts["accepted"], counts["checked"])
+    return [cand for _, cand in screened[:SEARCH_KEEP]]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
