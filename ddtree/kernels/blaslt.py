@@ -17,8 +17,9 @@ bias-free projection of the targets and the drafter comes through `linear`; insi
 `ddtree::blaslt_linear`, which the compiled code calls as it runs. Where cuBLASLt cannot be loaded
 every shape keeps PyTorch's call (one warning); where a shape's plan fails, that shape does.
 With `DDTREE_BLAS_SEARCH=SECONDS` (opt-in) the configurations near the heuristic's
-(`blaslt_search`) are timed too: on an H100 that took 0.12 ms off a 256 round over 32k and 46 s
-onto a first start (benchmarks/README.md, "cuBLASLt's configurations near its heuristic's").
+(`blaslt_search`) are timed too: on two H100 leases that took 0.06-0.11 ms off a 256 verify over
+32k and added 46-83 s to a first start (benchmarks/README.md, "cuBLASLt's configurations near its
+heuristic's").
 
 Choices are kept on disk (`cache_path`: $DDTREE_CACHE_DIR, default ~/.cache/ddtree, file
 blaslt_choices.json), keyed by the GPU's name, the cuBLASLt build and the shape: cuBLASLt's
