@@ -32,7 +32,8 @@ from ddtree.kernels.graph_timing import graph_call_us
 ACCUMULATE_8B = {"down", "attn_o"}  # a folded dense layer's residual adds
 
 
-def time_searched(plan, x, w, y, accumulate: bool, out_dtype, seconds: float, keep: int, bases, copies: int = 8) -> dict:
+def time_searched(plan, x, w, y, accumulate: bool, out_dtype, seconds: float, keep: int, bases,
+                  copies: int = 8) -> dict:
     """The searched configurations: counts, and the fastest `keep` of the screen timed in a graph."""
     search_s = time.monotonic()
     found, counts = blaslt_search.search(plan, seconds=seconds, bases=bases)
@@ -98,7 +99,8 @@ def main() -> None:
             best = f"{r['best_us']:7.1f} us (#{r['best_index']})" if r["best_us"] else "none"
             found = r.get("search")
             searched = (f"  searched {found['best_us'] or 0:7.1f} us (of {found['accepted']} accepted, "
-                        f"{found['checked']} checked, {found['ids']} ids, {found['search_s']:.0f} s): {found['best']}") if found else ""
+                        f"{found['checked']} checked, {found['ids']} ids, {found['search_s']:.0f} s): "
+                        f"{found['best']}") if found else ""
             print(f"{name:9s} M={m:4d} torch {r['torch_us']:7.1f} us  lt first {r['lt_first_us'] or 0:7.1f}  "
                   f"best {best} of {len(r['candidates'])}{searched}", flush=True)
             torch.cuda.empty_cache()

@@ -24,6 +24,8 @@ import ctypes
 import itertools
 import time
 
+import torch
+
 from ddtree.kernels.blaslt import (_ALGO_CONFIG, _COMPUTE_32F, _DTYPES, _R_32F, WORKSPACE_BYTES, Candidate,
                                    LtProjection, _Algo, _describe, _handle, _HeuristicResult, _lib)
 
@@ -87,7 +89,8 @@ def algo_ids(plan: LtProjection, lib=None) -> list[int]:
     handle, _ = _handle(plan.device)
     t, out = _DTYPES[plan.dtype], _DTYPES[plan.out_dtype]
     ids, returned = (ctypes.c_int * 256)(), ctypes.c_int()
-    status = lib.cublasLtMatmulAlgoGetIds(handle, _COMPUTE_32F, _R_32F, t, t, out, out, 256, ids, ctypes.byref(returned))
+    status = lib.cublasLtMatmulAlgoGetIds(handle, _COMPUTE_32F, _R_32F, t, t, out, out, 256, ids,
+                                          ctypes.byref(returned))
     if status:
         raise RuntimeError(f"MatmulAlgoGetIds failed with cublasStatus {status}")
     return list(ids[:returned.value])
@@ -136,8 +139,9 @@ def search(plan: LtProjection, limit: int = 4000, seconds: float = 10.0,
         cand = _accepted(lib, handle, plan, base, settings)
         row = by_id.setdefault(label, [0, 0])
         row[0] += 1
-        if cand is not None and tuple(sorted(cand.config.items())) not in found:
-            found[tuple(sorted(cand.config.items()))] = cand
+        key = None if cand is None else tuple(sorted(cand.config.items()))
+        if cand is not None and key not in found:
+            found[key] = cand
             row[1] += 1
 
     def caps(algo):
@@ -147,6 +151,15 @@ def search(plan: LtProjection, limit: int = 4000, seconds: float = 10.0,
         swizzles = (0, 1) if _cap_int(lib, algo, _CAP_CTA_SWIZZLING_SUPPORT) else (0,)
         customs = range(_cap_int(lib, algo, _CAP_CUSTOM_OPTION_MAX) + 1)
         return splits, reductions, swizzles, customs
+
+    def settings_of(tile_id, split, scheme, cluster, swizzle_id, custom_id, stage_id=None):
+        settings = [(tile, tile_id, 4), (custom, custom_id, 4), (swizzle, swizzle_id, 4), (splitk, split, 4),
+                    (reduction, scheme, 4)]
+        if stage_id is not None:  # None: the base's stages kept
+            settings.append((stages, stage_id, 4))
+        if cluster:  # 0: the base's cluster kept (the library's own choice after an id's initialisation)
+            settings.append((_ALGO_CONFIG["cluster"], cluster, 2))
+        return settings
 
     def variants(splits, reductions, clusters, swizzles, customs):
         return [(split, scheme, cluster, swizzle_id, custom_id)
@@ -170,11 +183,7 @@ def search(plan: LtProjection, limit: int = 4000, seconds: float = 10.0,
             if spent(n, before):
                 cut += 1
                 break
-            settings = [(tile, tile_id, 4), (custom, custom_id, 4), (swizzle, swizzle_id, 4), (splitk, split, 4),
-                        (reduction, scheme, 4)]
-            if cluster:
-                settings.append((_ALGO_CONFIG["cluster"], cluster, 2))
-            add(base.algo, settings, label)
+            add(base.algo, settings_of(tile_id, split, scheme, cluster, swizzle_id, custom_id), label)
     for n, algo_id in enumerate(ids, start=len(bases)):
         base = _Algo()
         if lib.cublasLtMatmulAlgoInit(handle, _COMPUTE_32F, _R_32F, t, t, out, out, algo_id, ctypes.byref(base)):
@@ -191,13 +200,10 @@ def search(plan: LtProjection, limit: int = 4000, seconds: float = 10.0,
             if spent(n, before):
                 cut += 1
                 break
-            settings = [(tile, tile_id, 4), (stages, stage_id, 4), (custom, custom_id, 4), (swizzle, swizzle_id, 4),
-                        (splitk, split, 4), (reduction, scheme, 4)]
-            if cluster:  # 0: the library's own choice, left unset (ids without clusters refuse the attribute)
-                settings.append((_ALGO_CONFIG["cluster"], cluster, 2))
-            add(base, settings, label)
-    return list(found.values()), {"ids": len(ids), "bases": len(bases), "checked": checked, "accepted": len(found), "cut_walks": cut,
-                                  "by_walk": {k: {"checked": v[0], "accepted": v[1]} for k, v in by_id.items()}}
+            add(base, settings_of(tile_id, split, scheme, cluster, swizzle_id, custom_id, stage_id), label)
+    counts = {"ids": len(ids), "bases": len(bases), "checked": checked, "accepted": len(found), "cut_walks": cut,
+              "by_walk": {k: {"checked": v[0], "accepted": v[1]} for k, v in by_id.items()}}
+    return list(found.values()), counts
 
 
 def screen(plan: LtProjection, candidates: list[Candidate], x, weights, y, calls: int = 4,
@@ -206,8 +212,6 @@ def screen(plan: LtProjection, candidates: list[Candidate], x, weights, y, calls
     `weights` (copies of one weight, cycled so that L2 holds none) between two CUDA events, after
     one warm-up call; candidates in their order until `seconds` have passed (None: all). A first
     sort, for `graph_call_us` to time the fastest again."""
-    import torch
-
     timed, began = [], time.monotonic()
     for cand in candidates:
         if seconds is not None and time.monotonic() - began > seconds:
